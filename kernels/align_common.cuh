@@ -1,0 +1,231 @@
+// Device routines shared by every alignment kernel, base and LoRA alike.
+//
+// The LoRA alignment is the base alignment with a row per adapter slot: a route's bucket is
+// `slot * E + expert`, every bucket row is scanned on its own, and row `slot` of each output
+// is written. The base alignment is the one-row case (no token slots, row 0 always processed).
+// No headers are included so NVRTC compiles this without the CUDA toolkit.
+#pragma once
+
+#define MLA_FULL_MASK 0xffffffffu
+
+// Mirrors moe_lora_align/_launch.py: PROBLEM_DTYPE (same fields, same order, same types).
+struct Problem {
+  const void* topk_ids;         // [numel] route ids (IdT)
+  const int* token_slot;        // [T] adapter slot per token, or null for the base alignment
+  const int* lora_ids;          // [lora_ids_len] slots to process, or null: every slot
+  const int* adapter_enabled;   // [rows + 1] 0 = disabled, or null: all enabled
+  const int* expert_map;        // [num_experts] global -> local id (or -1), or null
+  int* sorted_ids;              // [rows, sorted_pitch]
+  int* expert_ids;              // [rows, expert_pitch]
+  int* num_post_pad;            // [rows]
+  int* scatter_idx;             // [numel] or null
+  int* counts;                  // scratch [num_buckets]: zero on entry, left zero
+  int* starts;                  // scratch [num_buckets + 1]: padded exclusive scan, all rows
+  int* cursor;                  // scratch [num_buckets]: next free position of each bucket
+  int* chunk_hist;              // scratch [chunks, num_buckets]: deterministic mode only
+  unsigned int* ticket;         // scratch [1]: zero on entry, left zero
+  int numel;
+  int topk;                     // K: routes per token
+  int num_experts;              // E: buckets per row
+  int block_size;               // B
+  int rows;                     // 1 for base, max_loras for LoRA
+  int lora_ids_len;
+  int padded_len;               // P
+  int num_tiles;                // M
+  int sorted_pitch;
+  int expert_pitch;
+  int map_mode;                 // 0: no map, 1: map before counting, 2: map tile ids after
+  int fill_unprocessed;         // write the empty alignment into rows that are not processed
+  int chunk;                    // routes per chunk (multi-block kernels)
+  int range_width;              // buckets per block (deterministic multi-block kernels)
+  int ranges;                   // bucket ranges per chunk (deterministic multi-block kernels)
+  int pad_;
+};
+
+__device__ __forceinline__ int num_buckets(const Problem& p) { return p.rows * p.num_experts; }
+
+__device__ __forceinline__ unsigned lanemask_lt() {
+  unsigned m;
+  asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
+  return m;
+}
+
+__device__ __forceinline__ bool adapter_on(const Problem& p, int slot) {
+  return p.adapter_enabled == nullptr || p.adapter_enabled[slot] != 0;
+}
+
+// processed[r] = 1 for every row this call aligns. Rows outside lora_ids or disabled stay 0.
+__device__ void mark_processed_rows(const Problem& p, unsigned char* processed) {
+  for (int r = threadIdx.x; r < p.rows; r += blockDim.x)
+    processed[r] = (p.lora_ids == nullptr && adapter_on(p, r)) ? 1 : 0;
+  __syncthreads();
+  if (p.lora_ids != nullptr) {
+    for (int j = threadIdx.x; j < p.lora_ids_len; j += blockDim.x) {
+      const int s = p.lora_ids[j];
+      if (s >= 0 && s < p.rows && adapter_on(p, s)) processed[s] = 1;
+    }
+  }
+  __syncthreads();
+}
+
+__device__ __forceinline__ bool row_written(const Problem& p, const unsigned char* processed, int r) {
+  return processed[r] || p.fill_unprocessed;
+}
+
+// Bucket of route i, or -1 when the route is dropped (invalid id, non-local expert, base-model
+// token, slot not processed). Never reads outside the arrays whatever their values.
+template <typename IdT>
+__device__ __forceinline__ int route_bucket(const Problem& p, int i, const unsigned char* processed) {
+  const long long v = (long long)static_cast<const IdT*>(p.topk_ids)[i];
+  if (v < 0 || v >= p.num_experts) return -1;
+  int e = (int)v;
+  if (p.map_mode == 1) {
+    e = p.expert_map[e];
+    if (e < 0 || e >= p.num_experts) return -1;
+  }
+  if (p.token_slot != nullptr) {
+    const int s = p.token_slot[i / p.topk];
+    if (s < 0 || s >= p.rows || !processed[s]) return -1;
+    return s * p.num_experts + e;
+  }
+  return e;
+}
+
+// Warp-aggregated counter update: lanes with the same bucket elect one leader that adds their
+// number to counter[bucket]; each lane gets old value + its rank among its peers (lane order).
+// ATOMIC=false is for counters only this warp touches (deterministic per-warp counts).
+// Every lane of the warp must call it; inactive lanes pass bucket < 0 and get -1.
+template <bool ATOMIC, typename CounterT>
+__device__ __forceinline__ int warp_claim(CounterT* counter, int bucket) {
+  if (!ATOMIC) __syncwarp();  // orders the previous step's leader writes before these reads
+  const unsigned active = __ballot_sync(MLA_FULL_MASK, bucket >= 0);
+  if (bucket < 0) return -1;
+  const unsigned peers = __match_any_sync(active, bucket);
+  const int leader = __ffs(peers) - 1;
+  const int lane = threadIdx.x & 31;
+  int base = 0;
+  if (lane == leader) {
+    const int n = __popc(peers);
+    if (ATOMIC) {
+      base = atomicAdd(reinterpret_cast<int*>(counter) + bucket, n);
+    } else {
+      base = (int)counter[bucket];
+      counter[bucket] = (CounterT)(base + n);
+    }
+  }
+  base = __shfl_sync(peers, base, leader);
+  return base + __popc(peers & lanemask_lt());
+}
+
+// Fill rows [rows, pitch] of `base` with `value` in [0, len), skipping rows not written.
+// 16-byte stores where alignment allows; never touches [len, pitch).
+__device__ void fill_rows(const Problem& p, const unsigned char* processed, int* base, int pitch,
+                          int len, int value, int tid, int nthreads) {
+  const bool vec = ((pitch & 3) == 0) && ((reinterpret_cast<unsigned long long>(base) & 15) == 0);
+  const int nvec = vec ? (len >> 2) : 0;
+  if (nvec > 0) {
+    const int4 v = make_int4(value, value, value, value);
+    const int total = p.rows * nvec;
+    for (int k = tid; k < total; k += nthreads) {
+      const int r = k / nvec;
+      if (row_written(p, processed, r))
+        reinterpret_cast<int4*>(base + (long long)r * pitch)[k - r * nvec] = v;
+    }
+  }
+  const int tail = len - 4 * nvec;
+  if (tail > 0) {
+    const int total = p.rows * tail;
+    for (int k = tid; k < total; k += nthreads) {
+      const int r = k / tail;
+      if (row_written(p, processed, r)) base[(long long)r * pitch + 4 * nvec + (k - r * tail)] = value;
+    }
+  }
+}
+
+__device__ __forceinline__ int padded_count(int c, int block_size) {
+  return (c + block_size - 1) / block_size * block_size;
+}
+
+// Block-wide exclusive scan of padded counts over all buckets of all rows:
+// out[b] = sum_{b' < b} ceil_B(count(b')), out[n] = total. Each thread scans a contiguous run.
+// `out` may alias the counts when `count` reads the same array (in-place on a thread's run).
+template <typename CountFn>
+__device__ void scan_padded_counts(int n, int block_size, CountFn count, int* out, int* warp_sums) {
+  const int per = (n + blockDim.x - 1) / blockDim.x;
+  const int lo = min(n, (int)threadIdx.x * per), hi = min(n, lo + per);
+  int sum = 0;
+  for (int b = lo; b < hi; ++b) sum += padded_count(count(b), block_size);
+  // inclusive scan of the per-thread sums
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  int x = sum;
+  for (int d = 1; d < 32; d <<= 1) {
+    const int y = __shfl_up_sync(MLA_FULL_MASK, x, d);
+    if (lane >= d) x += y;
+  }
+  if (lane == 31) warp_sums[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    int w = lane < nwarps ? warp_sums[lane] : 0;
+    for (int d = 1; d < 32; d <<= 1) {
+      const int y = __shfl_up_sync(MLA_FULL_MASK, w, d);
+      if (lane >= d) w += y;
+    }
+    warp_sums[lane] = w;  // inclusive over warps
+  }
+  __syncthreads();
+  int run = x - sum + (warp > 0 ? warp_sums[warp - 1] : 0);
+  for (int b = lo; b < hi; ++b) {
+    const int c = padded_count(count(b), block_size);
+    out[b] = run;
+    run += c;
+  }
+  if (threadIdx.x == blockDim.x - 1) out[n] = run;
+  __syncthreads();
+}
+
+// Last bucket b in [lo, hi) with starts[b] <= target: the owner of the tile at `target`
+// (empty buckets share their start with the next one, so the last wins).
+__device__ __forceinline__ int owning_bucket(const int* starts, int lo, int hi, int target) {
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) >> 1;
+    if (starts[mid] <= target) lo = mid; else hi = mid;
+  }
+  return lo;
+}
+
+// expert_ids of every written row, from the padded scan `starts` (all rows concatenated).
+__device__ void write_expert_ids(const Problem& p, const unsigned char* processed, const int* starts,
+                                 int tid, int nthreads) {
+  const int E = p.num_experts, M = p.num_tiles;
+  const int total_tiles = p.rows * M;
+  for (int k = tid; k < total_tiles; k += nthreads) {
+    const int r = k / M, t = k - r * M;
+    int value = -1;
+    if (processed[r]) {
+      const int row_base = starts[r * E];
+      const long long pos = (long long)t * p.block_size;
+      if (pos < (long long)(starts[r * E + E] - row_base)) {
+        int e = owning_bucket(starts, r * E, r * E + E, row_base + (int)pos) - r * E;
+        if (p.map_mode == 2) e = p.expert_map[e];
+        value = e;
+      }
+    } else if (!p.fill_unprocessed) {
+      continue;
+    }
+    p.expert_ids[(long long)r * p.expert_pitch + t] = value;
+  }
+}
+
+__device__ void write_totals(const Problem& p, const unsigned char* processed, const int* starts) {
+  const int E = p.num_experts;
+  for (int r = threadIdx.x; r < p.rows; r += blockDim.x) {
+    if (processed[r]) p.num_post_pad[r] = starts[r * E + E] - starts[r * E];
+    else if (p.fill_unprocessed) p.num_post_pad[r] = 0;
+  }
+}
+
+// Position of a route inside its row: segment start + rank.
+__device__ __forceinline__ long long output_index(const Problem& p, const int* starts, int bucket, int rank) {
+  const int r = bucket / p.num_experts;
+  return (long long)r * p.sorted_pitch + (starts[bucket] - starts[r * p.num_experts]) + rank;
+}

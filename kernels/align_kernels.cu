@@ -1,0 +1,258 @@
+// Alignment kernels: one launch for small inputs, two (count, place) for large ones.
+//
+// Variants of the counting stage (MODE):
+//   MODE_SHARED (0) per-block histograms in shared memory, flushed to global counts;
+//   MODE_GLOBAL (1) counts and cursors in global memory (any number of buckets);
+//   MODE_DETERMINISTIC (2) chunk x bucket-range blocks with per-warp counters, so ranks follow
+//                          the flat route index and the output is bit-identical run to run.
+// Every kernel is templated on the route-id type IdT and serves base and LoRA alignment alike.
+#include "align_common.cuh"
+
+#define MODE_SHARED 0
+#define MODE_GLOBAL 1
+#define MODE_DETERMINISTIC 2
+
+// Routes per thread kept in registers by the non-deterministic kernels.
+#define ITEMS_PER_THREAD 4
+
+extern __shared__ __align__(16) unsigned char dynamic_smem[];
+
+// ---------------------------------------------------------------------------------------------
+// Single block: count, scan, place and fill in one launch (decode sizes).
+// Shared memory: starts[nb + 1] ints | DET: warp_counts[nwarps * nb] ushort | processed[rows].
+template <typename IdT, bool DET>
+__device__ void align_in_one_block(const Problem& p) {
+  __shared__ int warp_sums[32];
+  const int nb = num_buckets(p), nwarps = blockDim.x >> 5;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  int* starts = reinterpret_cast<int*>(dynamic_smem);
+  unsigned short* warp_counts = reinterpret_cast<unsigned short*>(starts + nb + 1);
+  unsigned char* processed =
+      reinterpret_cast<unsigned char*>(DET ? (void*)(warp_counts + nwarps * nb) : (void*)(starts + nb + 1));
+
+  for (int b = threadIdx.x; b < nb; b += blockDim.x) starts[b] = 0;
+  if (DET)
+    for (int k = threadIdx.x; k < nwarps * nb; k += blockDim.x) warp_counts[k] = 0;
+  mark_processed_rows(p, processed);
+  fill_rows(p, processed, p.sorted_ids, p.sorted_pitch, p.padded_len, p.numel, threadIdx.x, blockDim.x);
+
+  if (!DET) {
+    int bucket[ITEMS_PER_THREAD], rank[ITEMS_PER_THREAD];
+#pragma unroll
+    for (int j = 0; j < ITEMS_PER_THREAD; ++j) {
+      const int i = j * blockDim.x + threadIdx.x;
+      bucket[j] = i < p.numel ? route_bucket<IdT>(p, i, processed) : -1;
+      if (p.scatter_idx != nullptr && i < p.numel) p.scatter_idx[i] = bucket[j] >= 0 ? i : -1;
+      rank[j] = warp_claim<true>(starts, bucket[j]);
+    }
+    __syncthreads();
+    scan_padded_counts(nb, p.block_size, [&](int b) { return starts[b]; }, starts, warp_sums);
+#pragma unroll
+    for (int j = 0; j < ITEMS_PER_THREAD; ++j)
+      if (bucket[j] >= 0)
+        p.sorted_ids[output_index(p, starts, bucket[j], rank[j])] = j * blockDim.x + threadIdx.x;
+  } else {
+    // Warp w owns a contiguous run of routes; its counters give ranks in flat-index order.
+    const int per_warp = ((p.numel + nwarps - 1) / nwarps + 31) & ~31;
+    const int lo = min(p.numel, warp * per_warp), hi = min(p.numel, lo + per_warp);
+    unsigned short* mine = warp_counts + warp * nb;
+    for (int base = lo; base < hi; base += 32) {
+      const int i = base + lane;
+      const int b = i < hi ? route_bucket<IdT>(p, i, processed) : -1;
+      if (p.scatter_idx != nullptr && i < hi) p.scatter_idx[i] = b >= 0 ? i : -1;
+      warp_claim<false>(mine, b);
+    }
+    __syncthreads();
+    for (int b = threadIdx.x; b < nb; b += blockDim.x) {
+      int run = 0;
+      for (int w = 0; w < nwarps; ++w) {
+        const int c = warp_counts[w * nb + b];
+        warp_counts[w * nb + b] = (unsigned short)run;
+        run += c;
+      }
+      starts[b] = run;
+    }
+    __syncthreads();
+    scan_padded_counts(nb, p.block_size, [&](int b) { return starts[b]; }, starts, warp_sums);
+    for (int base = lo; base < hi; base += 32) {
+      const int i = base + lane;
+      const int b = i < hi ? route_bucket<IdT>(p, i, processed) : -1;
+      const int rank = warp_claim<false>(mine, b);
+      if (b >= 0) p.sorted_ids[output_index(p, starts, b, rank)] = i;
+    }
+  }
+  write_expert_ids(p, processed, starts, threadIdx.x, blockDim.x);
+  write_totals(p, processed, starts);
+}
+
+template <typename IdT, bool DET>
+__global__ void align_single(const Problem p) {
+  align_in_one_block<IdT, DET>(p);
+}
+
+// Base and LoRA alignment in one launch: block 0 aligns `first`, block 1 aligns `second`.
+template <typename IdT, bool DET>
+__global__ void align_pair(const Problem first, const Problem second) {
+  align_in_one_block<IdT, DET>(blockIdx.x == 0 ? first : second);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Multi-block, stage 1: fill the sentinels, count every chunk; the last block to finish scans
+// the counts into segment starts, writes the totals and leaves the scratch zeroed for next time.
+// Shared memory: SHARED: hist[nb] | DET: hist[range_width] | processed[rows].
+template <typename IdT, int MODE>
+__global__ void align_count(const Problem p) {
+  __shared__ int warp_sums[32];
+  __shared__ bool is_last;
+  const int nb = num_buckets(p);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  int chunk = blockIdx.x, lo_b = 0, hi_b = nb;
+  if (MODE == MODE_DETERMINISTIC) {
+    chunk = blockIdx.x / p.ranges;
+    lo_b = (blockIdx.x - chunk * p.ranges) * p.range_width;
+    hi_b = min(nb, lo_b + p.range_width);
+  }
+  int* hist = reinterpret_cast<int*>(dynamic_smem);
+  const int hist_len = MODE == MODE_SHARED ? nb : MODE == MODE_DETERMINISTIC ? p.range_width : 0;
+  unsigned char* processed = dynamic_smem + 4 * hist_len;
+  for (int b = threadIdx.x; b < hist_len; b += blockDim.x) hist[b] = 0;
+  mark_processed_rows(p, processed);
+  fill_rows(p, processed, p.sorted_ids, p.sorted_pitch, p.padded_len, p.numel,
+            blockIdx.x * blockDim.x + threadIdx.x, gridDim.x * blockDim.x);
+
+  const int c0 = min(p.numel, chunk * p.chunk), c1 = min(p.numel, c0 + p.chunk);
+  for (int base = c0 + warp * 32; base < c1; base += blockDim.x) {
+    const int i = base + lane;
+    int b = i < c1 ? route_bucket<IdT>(p, i, processed) : -1;
+    if (p.scatter_idx != nullptr && i < c1 && lo_b == 0) p.scatter_idx[i] = b >= 0 ? i : -1;
+    if (MODE == MODE_GLOBAL) {
+      warp_claim<true>(p.counts, b);
+    } else {
+      if (MODE == MODE_DETERMINISTIC) b = (b >= lo_b && b < hi_b) ? b - lo_b : -1;
+      warp_claim<true>(hist, b);
+    }
+  }
+  __syncthreads();
+  if (MODE == MODE_SHARED) {
+    for (int b = threadIdx.x; b < nb; b += blockDim.x)
+      if (hist[b] != 0) atomicAdd(p.counts + b, hist[b]);
+  } else if (MODE == MODE_DETERMINISTIC) {
+    for (int b = threadIdx.x; b < hi_b - lo_b; b += blockDim.x) {
+      p.chunk_hist[(long long)chunk * nb + lo_b + b] = hist[b];
+      if (hist[b] != 0) atomicAdd(p.counts + lo_b + b, hist[b]);
+    }
+  }
+
+  // The last block to arrive sees every count (classic threadfence + ticket reduction).
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) is_last = atomicAdd(p.ticket, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  scan_padded_counts(nb, p.block_size, [&](int b) { return __ldcg(p.counts + b); }, p.starts, warp_sums);
+  const int E = p.num_experts;
+  for (int b = threadIdx.x; b < nb; b += blockDim.x) {
+    p.counts[b] = 0;
+    if (MODE != MODE_DETERMINISTIC) p.cursor[b] = p.starts[b] - p.starts[(b / E) * E];
+  }
+  if (MODE == MODE_DETERMINISTIC) {
+    // Exclusive prefix over chunks of every bucket: where each chunk's routes start.
+    const int chunks = gridDim.x / p.ranges;
+    for (int b = threadIdx.x; b < nb; b += blockDim.x) {
+      int run = 0;
+      for (int c = 0; c < chunks; ++c) {
+        const long long k = (long long)c * nb + b;
+        const int v = __ldcg(p.chunk_hist + k);
+        p.chunk_hist[k] = run;
+        run += v;
+      }
+    }
+  }
+  write_totals(p, processed, p.starts);
+  if (threadIdx.x == 0) *p.ticket = 0u;
+}
+
+// Multi-block, stage 2: expert ids of every tile, then every route to its position.
+// Shared memory: SHARED: hist[nb] | DET: warp_counts[nwarps * range_width] ushort,
+// offsets[range_width] int | processed[rows].
+template <typename IdT, int MODE>
+__global__ void align_place(const Problem p) {
+  const int nb = num_buckets(p), E = p.num_experts;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
+  int* hist = reinterpret_cast<int*>(dynamic_smem);
+  unsigned short* warp_counts = reinterpret_cast<unsigned short*>(dynamic_smem);
+  int* offsets = reinterpret_cast<int*>(warp_counts + nwarps * p.range_width);
+  const int smem_head = MODE == MODE_SHARED ? 4 * nb
+                        : MODE == MODE_DETERMINISTIC ? (2 * nwarps + 4) * p.range_width : 0;
+  unsigned char* processed = dynamic_smem + smem_head;
+  if (MODE == MODE_SHARED)
+    for (int b = threadIdx.x; b < nb; b += blockDim.x) hist[b] = 0;
+  if (MODE == MODE_DETERMINISTIC)
+    for (int k = threadIdx.x; k < nwarps * p.range_width; k += blockDim.x) warp_counts[k] = 0;
+  mark_processed_rows(p, processed);
+  write_expert_ids(p, processed, p.starts, blockIdx.x * blockDim.x + threadIdx.x, gridDim.x * blockDim.x);
+
+  if (MODE == MODE_SHARED) {
+    const int c0 = blockIdx.x * p.chunk, c1 = min(p.numel, c0 + p.chunk);
+    int bucket[ITEMS_PER_THREAD], rank[ITEMS_PER_THREAD];
+#pragma unroll
+    for (int j = 0; j < ITEMS_PER_THREAD; ++j) {
+      const int i = c0 + j * blockDim.x + threadIdx.x;
+      bucket[j] = i < c1 ? route_bucket<IdT>(p, i, processed) : -1;
+      rank[j] = warp_claim<true>(hist, bucket[j]);
+    }
+    __syncthreads();
+    // One global reservation per (block, bucket): the block's routes take a contiguous range.
+    for (int b = threadIdx.x; b < nb; b += blockDim.x)
+      if (hist[b] != 0) hist[b] = atomicAdd(p.cursor + b, hist[b]);
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < ITEMS_PER_THREAD; ++j)
+      if (bucket[j] >= 0)
+        p.sorted_ids[(long long)(bucket[j] / E) * p.sorted_pitch + hist[bucket[j]] + rank[j]] =
+            c0 + j * blockDim.x + threadIdx.x;
+  } else if (MODE == MODE_GLOBAL) {
+    const int c0 = blockIdx.x * p.chunk, c1 = min(p.numel, c0 + p.chunk);
+    for (int base = c0 + warp * 32; base < c1; base += blockDim.x) {
+      const int i = base + lane;
+      const int b = i < c1 ? route_bucket<IdT>(p, i, processed) : -1;
+      const int pos = warp_claim<true>(p.cursor, b);
+      if (b >= 0) p.sorted_ids[(long long)(b / E) * p.sorted_pitch + pos] = i;
+    }
+  } else {
+    const int chunk = blockIdx.x / p.ranges;
+    const int lo_b = (blockIdx.x - chunk * p.ranges) * p.range_width;
+    const int hi_b = min(nb, lo_b + p.range_width), width = hi_b - lo_b;
+    const int c0 = min(p.numel, chunk * p.chunk), c1 = min(p.numel, c0 + p.chunk);
+    const int per_warp = ((c1 - c0 + nwarps - 1) / nwarps + 31) & ~31;
+    const int lo = min(c1, c0 + warp * per_warp), hi = min(c1, lo + per_warp);
+    unsigned short* mine = warp_counts + warp * p.range_width;
+    for (int base = lo; base < hi; base += 32) {
+      const int i = base + lane;
+      int b = i < hi ? route_bucket<IdT>(p, i, processed) : -1;
+      b = (b >= lo_b && b < hi_b) ? b - lo_b : -1;
+      warp_claim<false>(mine, b);
+    }
+    __syncthreads();
+    for (int lb = threadIdx.x; lb < width; lb += blockDim.x) {
+      const int b = lo_b + lb;
+      offsets[lb] = p.starts[b] - p.starts[(b / E) * E] + p.chunk_hist[(long long)chunk * nb + b];
+      int run = 0;
+      for (int w = 0; w < nwarps; ++w) {
+        const int c = warp_counts[w * p.range_width + lb];
+        warp_counts[w * p.range_width + lb] = (unsigned short)run;
+        run += c;
+      }
+    }
+    __syncthreads();
+    for (int base = lo; base < hi; base += 32) {
+      const int i = base + lane;
+      int b = i < hi ? route_bucket<IdT>(p, i, processed) : -1;
+      b = (b >= lo_b && b < hi_b) ? b - lo_b : -1;
+      const int rank = warp_claim<false>(mine, b);
+      if (b >= 0)
+        p.sorted_ids[(long long)((lo_b + b) / E) * p.sorted_pitch + offsets[b] + rank] = i;
+    }
+  }
+}

@@ -1,0 +1,29 @@
+"""moe_lora_align: MoE and multi-LoRA MoE alignment kernels (CUDA via CuPy, NumPy fallback).
+
+Public API: ``moe_align_block_size``, ``moe_lora_align_block_size``, ``align_moe_and_lora``,
+``AlignPlan`` (preallocated, CUDA-graph capturable), ``buffer_sizes`` and ``gpu_available``.
+"""
+
+from ._sizes import buffer_sizes
+from .api import (Alignment, AlignmentWithScatter, LoraAlignment, align_moe_and_lora,
+                  moe_align_block_size, moe_lora_align_block_size)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Alignment", "AlignmentWithScatter", "LoraAlignment", "align_moe_and_lora",
+    "moe_align_block_size", "moe_lora_align_block_size", "buffer_sizes", "gpu_available",
+    "__version__",
+]
+
+
+def gpu_available() -> bool:
+    """True when CuPy is installed and sees at least one CUDA device."""
+    try:
+        import cupy
+    except Exception:
+        return False
+    try:
+        return bool(cupy.is_available())
+    except Exception:
+        return False

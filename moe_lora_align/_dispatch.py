@@ -1,0 +1,146 @@
+"""The dispatcher: a pure function from sizes and device limits to a variant and its geometry.
+
+No GPU is needed to call it, so CI tests its decisions. The numbers it relies on mirror the
+kernels (``kernels/align_kernels.cu``): ``ITEMS_PER_THREAD`` routes per thread in registers and
+``unsigned short`` per-warp counters in deterministic mode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+BLOCK = 1024                  # threads per block of every non-deterministic kernel
+ITEMS_PER_THREAD = 4          # kernels/align_kernels.cu: ITEMS_PER_THREAD
+SINGLE_BLOCK_MAX_ROUTES = BLOCK * ITEMS_PER_THREAD
+WARP_COUNTER_MAX = 65535      # unsigned short per-warp counters bound a deterministic chunk
+CHUNK_MATRIX_BUDGET = 1 << 18  # entries of the deterministic [chunks, buckets] prefix matrix
+SMEM_SLACK = 64               # bytes kept free for alignment of the dynamic layout
+
+VARIANTS = ("shared", "global")
+
+
+@dataclass(frozen=True)
+class DeviceLimits:
+    sm_count: int
+    smem_optin: int           # MaxSharedMemoryPerBlockOptin, bytes
+
+    @classmethod
+    def h200(cls):
+        return cls(sm_count=132, smem_optin=232448)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How one alignment runs: ``single`` (one block, one launch) or ``multi`` (count, place)."""
+    variant: str              # "shared" or "global": where the counting histogram lives
+    kind: str                 # "single" or "multi"
+    deterministic: bool
+    block: int                # threads per block
+    grid: int = 1             # blocks of each launch
+    chunk: int = 0            # routes per chunk (multi)
+    range_width: int = 0      # buckets per block (deterministic multi)
+    ranges: int = 1           # bucket ranges per chunk (deterministic multi)
+    smem_single: int = 0      # dynamic shared bytes of the single-block kernel
+    smem_count: int = 0       # dynamic shared bytes of the count kernel
+    smem_place: int = 0       # dynamic shared bytes of the place kernel
+
+    @property
+    def mode(self) -> int:
+        """The kernels' MODE template argument."""
+        if self.deterministic:
+            return 2
+        return 0 if self.variant == "shared" else 1
+
+    @property
+    def launches(self) -> int:
+        return 1 if self.kind == "single" else 2
+
+
+def shared_fits(num_buckets: int, rows: int, limits: DeviceLimits) -> bool:
+    return 4 * num_buckets + rows + SMEM_SLACK <= limits.smem_optin
+
+
+def _single_block(numel, num_buckets, rows, deterministic, limits):
+    if numel > SINGLE_BLOCK_MAX_ROUTES:
+        return None
+    base = 4 * (num_buckets + 1) + rows + SMEM_SLACK
+    if not deterministic:
+        if base > limits.smem_optin:
+            return None
+        return Launch("shared", "single", False, BLOCK, smem_single=base)
+    # Deterministic: one unsigned short counter per (warp, bucket); fewer warps if they don't fit.
+    for warps in (32, 16, 8, 4):
+        smem = base + 2 * warps * num_buckets
+        if smem <= limits.smem_optin:
+            return Launch("shared", "single", True, 32 * warps, smem_single=smem)
+    return None
+
+
+def _ceil_div(a, b):
+    return -(-a // b)
+
+
+def choose_launch(numel: int, num_buckets: int, rows: int, limits: DeviceLimits, *,
+                  deterministic: bool = False, variant: str | None = None,
+                  allow_single: bool = True) -> Launch:
+    """Pick the variant and launch geometry of one alignment.
+
+    ``num_buckets`` is ``rows * num_experts``. ``variant`` forces "shared" or "global";
+    forcing "shared" when its histogram cannot fit raises ``ValueError``.
+    """
+    if variant is not None and variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS} or None, got {variant!r}")
+    fits = shared_fits(num_buckets, rows, limits)
+    if variant == "shared" and not fits:
+        raise ValueError(
+            f"variant='shared' needs {4 * num_buckets + rows} bytes of shared memory for "
+            f"{num_buckets} buckets but the device allows {limits.smem_optin} per block; "
+            "use variant='global' or leave variant unset"
+        )
+    chosen = variant or ("shared" if fits else "global")
+    if chosen == "shared" and allow_single:
+        single = _single_block(numel, num_buckets, rows, deterministic, limits)
+        if single is not None:
+            return single
+
+    if not deterministic:
+        # Enough chunks to spread over the SMs, at most ITEMS_PER_THREAD routes a thread.
+        per_sm = _ceil_div(max(numel, 1), limits.sm_count)
+        chunk = min(SINGLE_BLOCK_MAX_ROUTES, max(BLOCK, _ceil_div(per_sm, BLOCK) * BLOCK))
+        grid = max(1, _ceil_div(numel, chunk))
+        hist = 4 * num_buckets if chosen == "shared" else 0
+        smem = hist + rows + SMEM_SLACK
+        return Launch(chosen, "multi", False, BLOCK, grid=grid, chunk=chunk,
+                      smem_count=smem, smem_place=smem)
+
+    # Deterministic: blocks tile (chunk, bucket range); per-warp counters cover one range.
+    warps = BLOCK // 32
+    avail = limits.smem_optin - rows - SMEM_SLACK
+    width = min(num_buckets, avail // (2 * warps + 4))
+    width = max(2, width - width % 32 if width >= 32 else width + (width & 1))
+    ranges = _ceil_div(num_buckets, width)
+    min_chunks = max(1, _ceil_div(numel, WARP_COUNTER_MAX))
+    want = max(1, _ceil_div(2 * limits.sm_count, ranges))
+    budget = max(1, CHUNK_MATRIX_BUDGET // num_buckets)
+    chunks = max(min_chunks, min(want, budget, max(1, _ceil_div(numel, BLOCK))))
+    chunk = max(1, _ceil_div(numel, chunks))
+    chunks = max(1, _ceil_div(numel, chunk))
+    return Launch(chosen, "multi", True, BLOCK, grid=chunks * ranges, chunk=chunk,
+                  range_width=width, ranges=ranges,
+                  smem_count=4 * width + rows + SMEM_SLACK,
+                  smem_place=(2 * warps + 4) * width + rows + SMEM_SLACK)
+
+
+def choose_pair(numel: int, base_buckets: int, lora_buckets: int, rows: int,
+                limits: DeviceLimits, *, deterministic: bool = False):
+    """The fused single launch for base + LoRA, or ``None`` when either side needs more."""
+    base = _single_block(numel, base_buckets, 1, deterministic, limits)
+    lora = _single_block(numel, lora_buckets, rows, deterministic, limits)
+    if base is None or lora is None:
+        return None
+    block = min(base.block, lora.block)
+    warps = block // 32
+    smem = max(4 * (base_buckets + 1) + 1 + (2 * warps * base_buckets if deterministic else 0),
+               4 * (lora_buckets + 1) + rows + (2 * warps * lora_buckets if deterministic else 0))
+    return Launch("shared", "single", deterministic, block, grid=2,
+                  smem_single=smem + SMEM_SLACK)

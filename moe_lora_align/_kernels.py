@@ -1,0 +1,110 @@
+"""Kernel sources and the per-device cache of compiled modules and kernel handles.
+
+The CUDA sources live in ``kernels/`` at the top of the repository; a wheel carries them as
+``moe_lora_align/kernels``. The header is inlined before compiling so CuPy's on-disk cache key
+covers every line that is compiled.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from pathlib import Path
+
+import numpy as np
+
+MAIN_SOURCE = "align_kernels.cu"
+
+# C++ spelling of every accepted topk_ids dtype.
+CTYPES = {
+    np.dtype(np.int8): "signed char",
+    np.dtype(np.int16): "short",
+    np.dtype(np.int32): "int",
+    np.dtype(np.int64): "long long",
+    np.dtype(np.uint8): "unsigned char",
+    np.dtype(np.uint16): "unsigned short",
+    np.dtype(np.uint32): "unsigned int",
+    np.dtype(np.uint64): "unsigned long long",
+}
+
+
+def kernel_dir() -> Path:
+    """Where the ``.cu``/``.cuh`` sources are: inside the wheel, else the source checkout."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "kernels", here.parent / "kernels"):
+        if (candidate / MAIN_SOURCE).is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"CUDA sources not found next to {here} (looked for kernels/{MAIN_SOURCE}); "
+        "reinstall moe_lora_align"
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def source() -> str:
+    """The kernels' source with local ``#include "..."`` lines inlined (once each)."""
+    root = kernel_dir()
+    seen = set()
+
+    def expand(name: str) -> str:
+        if name in seen:
+            return ""
+        seen.add(name)
+        text = (root / name).read_text()
+        return re.sub(r'^#include "([^"]+)"\s*$', lambda m: expand(m.group(1)), text, flags=re.M)
+
+    return expand(MAIN_SOURCE)
+
+
+def kernel_names(dtype) -> dict:
+    """Name expression of every kernel instantiation for one topk_ids dtype."""
+    t = CTYPES[np.dtype(dtype)]
+    names = {}
+    for det in (False, True):
+        d = "true" if det else "false"
+        names[("single", det)] = f"align_single<{t}, {d}>"
+        names[("pair", det)] = f"align_pair<{t}, {d}>"
+    for mode in (0, 1, 2):
+        names[("count", mode)] = f"align_count<{t}, {mode}>"
+        names[("place", mode)] = f"align_place<{t}, {mode}>"
+    return names
+
+
+COMPILE_OPTIONS = ("-std=c++17",)
+
+
+class KernelSet:
+    """The compiled kernels of one dtype on one device, shared-memory attributes set once."""
+
+    def __init__(self, dtype, device_id: int, smem_optin: int):
+        import cupy
+
+        self.names = kernel_names(dtype)
+        with cupy.cuda.Device(device_id):
+            module = cupy.RawModule(code=source(), options=COMPILE_OPTIONS,
+                                    name_expressions=list(self.names.values()))
+            self.kernels = {}
+            for key, name in self.names.items():
+                k = module.get_function(name)
+                k.max_dynamic_shared_size_bytes = smem_optin
+                self.kernels[key] = k
+
+    def __getitem__(self, key):
+        return self.kernels[key]
+
+
+_loaded: dict = {}
+
+
+def kernels_for(dtype, device_id: int, smem_optin: int) -> KernelSet:
+    """The kernels of ``dtype`` on ``device_id``: compiled (or read from CuPy's disk cache)
+    and loaded on first use, then reused."""
+    key = (np.dtype(dtype).str, device_id)
+    ks = _loaded.get(key)
+    if ks is None:
+        ks = _loaded[key] = KernelSet(dtype, device_id, smem_optin)
+    return ks
+
+
+def kernels_loaded(dtype, device_id: int) -> bool:
+    return (np.dtype(dtype).str, device_id) in _loaded

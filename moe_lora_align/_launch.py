@@ -1,0 +1,259 @@
+"""GPU launcher: packs one alignment problem for the kernels and launches the chosen variant.
+
+Everything per device is created once and cached: the device limits, the compiled kernels and
+the scratch workspaces. A call allocates nothing beyond the outputs it returns.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import _dispatch
+from ._kernels import kernels_for, kernels_loaded
+
+_POINTERS = ("topk_ids", "token_slot", "lora_ids", "adapter_enabled", "expert_map",
+             "sorted_ids", "expert_ids", "num_post_pad", "scatter_idx",
+             "counts", "starts", "cursor", "chunk_hist", "ticket")
+_INTS = ("numel", "topk", "num_experts", "block_size", "rows", "lora_ids_len", "padded_len",
+         "num_tiles", "sorted_pitch", "expert_pitch", "map_mode", "fill_unprocessed", "chunk",
+         "range_width", "ranges", "pad_")
+# Mirrors kernels/align_common.cuh: struct Problem.
+PROBLEM_DTYPE = np.dtype([(n, np.uint64) for n in _POINTERS] + [(n, np.int32) for n in _INTS],
+                         align=True)
+
+MAP_NONE, MAP_BEFORE, MAP_AFTER = 0, 1, 2
+
+
+@functools.lru_cache(maxsize=None)
+def device_limits(device_id: int) -> _dispatch.DeviceLimits:
+    import cupy
+
+    attrs = cupy.cuda.Device(device_id).attributes
+    return _dispatch.DeviceLimits(sm_count=int(attrs["MultiProcessorCount"]),
+                                  smem_optin=int(attrs["MaxSharedMemoryPerBlockOptin"]))
+
+
+class Workspace:
+    """Reusable scratch of one alignment stream: counters that the kernels leave zeroed."""
+
+    def __init__(self, device_id: int):
+        self.device_id = device_id
+        self.buckets = -1
+        self.matrix = -1
+
+    def ensure(self, num_buckets: int, matrix_entries: int):
+        import cupy
+
+        if num_buckets > self.buckets or matrix_entries > self.matrix:
+            nb = max(num_buckets, self.buckets, 1)
+            nm = max(matrix_entries, self.matrix, 1)
+            with cupy.cuda.Device(self.device_id):
+                # One allocation, zeroed once; the kernels restore the zeros they rely on.
+                self.buf = cupy.zeros(3 * nb + 2 + nm + 1, dtype=np.int32)
+            self.counts = self.buf[:nb]
+            self.starts = self.buf[nb:2 * nb + 1]
+            self.cursor = self.buf[2 * nb + 1:3 * nb + 1]
+            self.chunk_hist = self.buf[3 * nb + 1:3 * nb + 1 + nm]
+            self.ticket = self.buf[3 * nb + 1 + nm:]
+            self.buckets, self.matrix = nb, nm
+        return self
+
+
+@dataclass
+class Job:
+    """One alignment problem on device arrays (CuPy), ready to be packed for the kernels."""
+    topk_ids: object
+    numel: int
+    topk: int
+    num_experts: int
+    block_size: int
+    rows: int
+    padded_len: int
+    num_tiles: int
+    sorted_ids: object
+    expert_ids: object
+    num_post_pad: object
+    sorted_pitch: int
+    expert_pitch: int
+    map_mode: int = MAP_NONE
+    expert_map: object = None
+    token_slot: object = None
+    lora_ids: object = None
+    adapter_enabled: object = None
+    scatter_idx: object = None
+    fill_unprocessed: bool = False
+    deterministic: bool = False
+
+    @property
+    def num_buckets(self) -> int:
+        return self.rows * self.num_experts
+
+
+def _ptr(x) -> int:
+    return 0 if x is None else int(x.data.ptr)
+
+
+def pack(job: Job, launch: _dispatch.Launch, ws: Workspace) -> np.void:
+    p = np.zeros((), dtype=PROBLEM_DTYPE)
+    for name, arr in (("topk_ids", job.topk_ids), ("token_slot", job.token_slot),
+                      ("lora_ids", job.lora_ids), ("adapter_enabled", job.adapter_enabled),
+                      ("expert_map", job.expert_map), ("sorted_ids", job.sorted_ids),
+                      ("expert_ids", job.expert_ids), ("num_post_pad", job.num_post_pad),
+                      ("scatter_idx", job.scatter_idx), ("counts", ws.counts),
+                      ("starts", ws.starts), ("cursor", ws.cursor),
+                      ("chunk_hist", ws.chunk_hist), ("ticket", ws.ticket)):
+        p[name] = _ptr(arr)
+    p["numel"], p["topk"], p["num_experts"] = job.numel, max(job.topk, 1), job.num_experts
+    p["block_size"], p["rows"], p["padded_len"] = job.block_size, job.rows, job.padded_len
+    p["lora_ids_len"] = 0 if job.lora_ids is None else int(job.lora_ids.shape[0])
+    p["num_tiles"], p["sorted_pitch"], p["expert_pitch"] = (job.num_tiles, job.sorted_pitch,
+                                                            job.expert_pitch)
+    p["map_mode"], p["fill_unprocessed"] = job.map_mode, int(job.fill_unprocessed)
+    p["chunk"], p["range_width"], p["ranges"] = launch.chunk, launch.range_width, launch.ranges
+    return p[()]
+
+
+def plan_launch(job: Job, device_id: int, variant=None) -> _dispatch.Launch:
+    return _dispatch.choose_launch(job.numel, job.num_buckets, job.rows,
+                                   device_limits(device_id), deterministic=job.deterministic,
+                                   variant=variant)
+
+
+def workspace_needs(launch: _dispatch.Launch, num_buckets: int):
+    matrix = (launch.grid // launch.ranges) * num_buckets if launch.deterministic else 0
+    return num_buckets, matrix
+
+
+def launch_one(job: Job, launch: _dispatch.Launch, ws: Workspace, stream, device_id: int):
+    """Issue one alignment on ``stream`` (no sync, no allocation when ``ws`` is large enough)."""
+    ws.ensure(*workspace_needs(launch, job.num_buckets))
+    ks = kernels_for(job.topk_ids.dtype, device_id,
+                     device_limits(device_id).smem_optin)
+    args = (pack(job, launch, ws),)
+    with stream:  # CuPy launches on the current stream
+        if launch.kind == "single":
+            ks[("single", launch.deterministic)]((1,), (launch.block,), args,
+                                                 shared_mem=launch.smem_single)
+            return
+        ks[("count", launch.mode)]((launch.grid,), (launch.block,), args,
+                                   shared_mem=launch.smem_count)
+        ks[("place", launch.mode)]((launch.grid,), (launch.block,), args,
+                                   shared_mem=launch.smem_place)
+
+
+def launch_pair(base: Job, lora: Job, launch: _dispatch.Launch, ws_base: Workspace,
+                ws_lora: Workspace, stream, device_id: int):
+    """Both alignments in one launch of two blocks (decode sizes)."""
+    ks = kernels_for(base.topk_ids.dtype, device_id,
+                     device_limits(device_id).smem_optin)
+    ws_base.ensure(1, 0)
+    ws_lora.ensure(1, 0)
+    args = (pack(base, launch, ws_base), pack(lora, launch, ws_lora))
+    with stream:
+        ks[("pair", launch.deterministic)]((2,), (launch.block,), args,
+                                           shared_mem=launch.smem_single)
+
+
+_workspaces: dict = {}
+
+
+def workspace(device_id: int, stream, role: str = "base") -> Workspace:
+    """The scratch of one (device, stream, role): calls on one stream reuse it in order."""
+    key = (device_id, int(stream.ptr), role)
+    ws = _workspaces.get(key)
+    if ws is None:
+        ws = _workspaces[key] = Workspace(device_id)
+    return ws
+
+
+CAPTURE_HINT = ("cannot run inside a CUDA graph capture: it would allocate memory or load "
+                "kernels; build an moe_lora_align.AlignPlan outside the capture and call it "
+                "inside (or pass out= buffers and make one call before capturing)")
+
+
+def check_capturable(stream, needs_alloc: bool, what: str):
+    if stream.is_capturing() and needs_alloc:
+        raise RuntimeError(f"{what} {CAPTURE_HINT}")
+
+
+def run(job: Job, device_id: int, framework: str, *, variant=None, stream=None,
+        needs_alloc=False):
+    """Launch one alignment from the public functions on the caller's stream."""
+    import cupy
+
+    from ._interop import caller_stream
+
+    with cupy.cuda.Device(device_id):
+        s = caller_stream(framework, device_id, stream)
+        launch = plan_launch(job, device_id, variant)
+        ws = workspace(device_id, s)
+        nb, nm = workspace_needs(launch, job.num_buckets)
+        cold = ws.buckets < nb or ws.matrix < nm or not kernels_loaded(job.topk_ids.dtype, device_id)
+        check_capturable(s, needs_alloc or cold, "this call")
+        launch_one(job, launch, ws, s, device_id)
+
+
+
+
+STREAM_MODES = ("fused", "one", "two")
+
+
+def choose_streams(base: Job, lora: Job, device_id: int, streams=None, variant=None):
+    """Pick how base + LoRA run: ``fused`` (one launch of two blocks), ``one`` (both on the
+    caller's stream) or ``two`` (forked onto two side streams). Returns (mode, pair launch)."""
+    if streams is not None and streams not in STREAM_MODES:
+        raise ValueError(f"streams must be one of {STREAM_MODES} or None, got {streams!r}")
+    pair = None
+    if variant in (None, "shared"):
+        pair = _dispatch.choose_pair(base.numel, base.num_buckets, lora.num_buckets, lora.rows,
+                                     device_limits(device_id), deterministic=base.deterministic)
+    if streams == "fused" and pair is None:
+        raise ValueError("streams='fused' needs both alignments to fit one block each "
+                         f"(at most {_dispatch.SINGLE_BLOCK_MAX_ROUTES} routes and a shared "
+                         "histogram of every bucket); use streams='two' or None")
+    if streams is None:
+        streams = "fused" if pair is not None else "two"
+    return streams, pair
+
+
+def run_pair(base: Job, lora: Job, device_id: int, framework: str, *, streams=None,
+             variant=None, stream=None, needs_alloc=False):
+    """Launch base and LoRA alignment together, ordered on the caller's stream."""
+    import cupy
+
+    from ._interop import caller_stream
+    from ._streams import side_streams
+
+    with cupy.cuda.Device(device_id):
+        s = caller_stream(framework, device_id, stream)
+        mode, pair = choose_streams(base, lora, device_id, streams, variant)
+        if mode == "fused":
+            ws_b, ws_l = workspace(device_id, s, "base"), workspace(device_id, s, "lora")
+            cold = ws_b.buckets < 1 or ws_l.buckets < 1
+            check_capturable(s, needs_alloc or cold or not kernels_loaded(base.topk_ids.dtype,
+                                                                          device_id), "this call")
+            launch_pair(base, lora, pair, ws_b, ws_l, s, device_id)
+            return mode
+        lb, ll = plan_launch(base, device_id, variant), plan_launch(lora, device_id, variant)
+        if mode == "one":
+            targets = (s, s)
+        else:
+            sides = side_streams(device_id)
+            targets = (sides.first, sides.second)
+        ws_b = workspace(device_id, targets[0], "base")
+        ws_l = workspace(device_id, targets[1], "lora")
+        nb_b, nm_b = workspace_needs(lb, base.num_buckets)
+        nb_l, nm_l = workspace_needs(ll, lora.num_buckets)
+        cold = (ws_b.buckets < nb_b or ws_b.matrix < nm_b or ws_l.buckets < nb_l
+                or ws_l.matrix < nm_l or not kernels_loaded(base.topk_ids.dtype, device_id))
+        check_capturable(s, needs_alloc or cold, "this call")
+        if mode == "one":
+            launch_one(lora, ll, ws_l, s, device_id)
+            launch_one(base, lb, ws_b, s, device_id)
+        else:
+            sides.run(s, lambda st: launch_one(lora, ll, ws_l, st, device_id),
+                      lambda st: launch_one(base, lb, ws_b, st, device_id))
+        return mode

@@ -1,0 +1,35 @@
+"""Buffer-size formulas of the contract: the one place every other module asks."""
+
+from __future__ import annotations
+
+INT32_MAX = 2**31 - 1
+
+
+def buffer_sizes(numel: int, num_experts: int, block_size: int, pad_sorted_ids: bool = False):
+    """Return ``(P, M)``: the length of ``sorted_token_ids`` and of ``expert_ids``.
+
+    ``P = numel + E*(B-1)``, rounded up to a multiple of ``B`` with ``pad_sorted_ids``, and
+    ``min(numel*B, P)`` when ``numel < E``; ``M = ceil(P / B)``. With an expert map, ``E`` is the
+    global expert count (``len(expert_map)``).
+    """
+    numel, num_experts, block_size = int(numel), int(num_experts), int(block_size)
+    if numel < 0:
+        raise ValueError(f"numel must be >= 0, got {numel}")
+    if num_experts <= 0:
+        raise ValueError(f"num_experts must be > 0, got {num_experts}")
+    if block_size <= 0:
+        raise ValueError(f"block_size must be > 0, got {block_size}")
+    padded = numel + num_experts * (block_size - 1)
+    if pad_sorted_ids:
+        padded = -(-padded // block_size) * block_size
+    if numel < num_experts:
+        padded = min(numel * block_size, padded)
+    return padded, -(-padded // block_size)
+
+
+def check_index_range(name: str, count: int) -> None:
+    """Raise when ``count`` entries could not be addressed with int32 indices."""
+    if count > INT32_MAX:
+        raise ValueError(
+            f"{name}: {count} entries overflow int32 indices (at most {INT32_MAX} supported)"
+        )

@@ -1,0 +1,44 @@
+"""Streams: the fork/join that runs the base and LoRA alignments side by side.
+
+Each device gets two side streams and three events, created once. A fork records an event on
+the caller's stream and makes both side streams wait on it; the join records an event on each
+side stream and makes the caller's stream wait on both. The host never blocks, and the pattern
+is legal inside a CUDA graph capture (the join brings both side streams back into it).
+"""
+
+from __future__ import annotations
+
+import functools
+
+
+class SideStreams:
+    def __init__(self, device_id: int):
+        import cupy
+
+        with cupy.cuda.Device(device_id):
+            self.first = cupy.cuda.Stream(non_blocking=True)
+            self.second = cupy.cuda.Stream(non_blocking=True)
+            self.forked = cupy.cuda.Event(disable_timing=True)
+            self.first_done = cupy.cuda.Event(disable_timing=True)
+            self.second_done = cupy.cuda.Event(disable_timing=True)
+
+    def run(self, caller, first_work, second_work):
+        """Run ``first_work(stream)`` and ``second_work(stream)`` concurrently after all work
+        already queued on ``caller``; work queued on ``caller`` afterwards sees both done."""
+        self.forked.record(caller)
+        self.first.wait_event(self.forked)
+        self.second.wait_event(self.forked)
+        try:
+            first_work(self.first)
+            second_work(self.second)
+        finally:
+            # Join even on error: a fork without a join would invalidate a graph capture.
+            self.first_done.record(self.first)
+            self.second_done.record(self.second)
+            caller.wait_event(self.first_done)
+            caller.wait_event(self.second_done)
+
+
+@functools.lru_cache(maxsize=None)
+def side_streams(device_id: int) -> SideStreams:
+    return SideStreams(device_id)

@@ -1,0 +1,316 @@
+"""Public functions: argument checks, array interop, then the NumPy backend or the GPU launcher."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from . import _checks, _interop
+from ._launch import MAP_AFTER, MAP_BEFORE, MAP_NONE, Job
+from ._reference import align_rows, processed_rows
+from ._sizes import buffer_sizes
+
+
+class Alignment(NamedTuple):
+    """Base alignment: ``sorted_token_ids[P]``, ``expert_ids[M]``, ``num_tokens_post_pad[1]``."""
+    sorted_token_ids: object
+    expert_ids: object
+    num_tokens_post_pad: object
+
+
+class AlignmentWithScatter(NamedTuple):
+    """Base alignment plus ``scatter_idx[numel]`` (``i`` for a kept route ``i``, else -1)."""
+    sorted_token_ids: object
+    expert_ids: object
+    num_tokens_post_pad: object
+    scatter_idx: object
+
+
+class LoraAlignment(NamedTuple):
+    """LoRA alignment: ``[max_loras, P]``, ``[max_loras, M]``, ``[max_loras]``, all int32."""
+    sorted_token_ids: object
+    expert_ids: object
+    num_tokens_post_pad: object
+
+
+# ---- preparing a call ---------------------------------------------------------------------
+class _Call:
+    """A checked call: where it runs, the framework to answer in, and the job to run."""
+
+    def __init__(self, where, framework, device_id, job, results, stream=None):
+        self.where, self.framework, self.device_id = where, framework, device_id
+        self.job, self.results, self.stream = job, results, stream
+
+
+def _unpack_out(out, count: int, what: str):
+    if out is None:
+        return (None,) * count
+    out = tuple(out)
+    if len(out) != count:
+        raise ValueError(f"out must hold {count} arrays ({what}), got {len(out)}")
+    return out
+
+
+def _alloc(where, device_id, shape):
+    if where == _interop.HOST:
+        return np.empty(shape, dtype=np.int32)
+    import cupy
+
+    with cupy.cuda.Device(device_id):
+        return cupy.empty(shape, dtype=np.int32)
+
+
+def _prepare(topk_ids, block_size, num_experts, *, rows, token_lora_mapping=None,
+             lora_ids=None, adapter_enabled=None, expert_map=None, map_mode=MAP_NONE,
+             pad_sorted_ids=False, scatter=False, deterministic=False, out=None,
+             validate=None, lora=False):
+    block_size = _checks.positive_int("block_size", block_size)
+    num_experts = _checks.positive_int("num_experts", num_experts)
+    names = ("sorted_token_ids", "expert_ids", "num_tokens_post_pad") + (
+        ("scatter_idx",) if scatter else ())
+    outs = _unpack_out(out, len(names), ", ".join(names))
+    inputs = {"topk_ids": topk_ids, "token_lora_mapping": token_lora_mapping,
+              "lora_ids": lora_ids, "adapter_enabled": adapter_enabled,
+              "expert_map": expert_map}
+    inputs.update({f"out {n}": o for n, o in zip(names, outs)})
+    where, framework = _interop.classify(inputs)
+    native = {k: _interop.to_native(v, where) for k, v in inputs.items()}
+    device_id = None
+    if where == _interop.DEVICE:
+        device_id = _checks.check_same_device(native)
+
+    ids = native["topk_ids"]
+    _checks.check_topk_ids(ids)
+    tokens, topk = int(ids.shape[0]), int(ids.shape[1])
+    numel = tokens * topk
+    if native["expert_map"] is not None:
+        _checks.check_int32_vector("expert_map", native["expert_map"], num_experts, exact=True)
+    if lora:
+        if native["token_lora_mapping"] is None:
+            raise ValueError("token_lora_mapping is required")
+        _checks.check_int32_vector("token_lora_mapping", native["token_lora_mapping"], tokens,
+                                   exact=True)
+        _checks.check_int32_vector("lora_ids", native["lora_ids"], rows + 1)
+        _checks.check_int32_vector("adapter_enabled", native["adapter_enabled"], rows + 1)
+
+    P, M = buffer_sizes(numel, num_experts, block_size, pad_sorted_ids)
+    _checks.check_sizes(numel, rows, P, M, block_size)
+
+    if validate is None:
+        validate = where == _interop.HOST
+    if validate:
+        if native["expert_map"] is not None:
+            _checks.check_expert_map_values(native["expert_map"], num_experts)
+        if lora:
+            _checks.check_token_lora_mapping_values(native["token_lora_mapping"], rows)
+            if native["lora_ids"] is not None:
+                _checks.check_lora_ids_values(native["lora_ids"], rows)
+
+    given = [native[f"out {n}"] for n in names]
+    lengths = (P, M, 1, numel)
+    pitches = []
+    for n, buf, length in zip(names, given, lengths):
+        if buf is None:
+            continue
+        r = rows if n in ("sorted_token_ids", "expert_ids") else 1
+        full = length if n != "num_tokens_post_pad" else rows
+        pitches.append(_checks.check_output(n, buf, r, full))
+    fill_unprocessed = out is None
+    if out is None:
+        shapes = ([rows, P], [rows, M], [rows]) if lora else ([P], [M], [1])
+        given = [_alloc(where, device_id, s) for s in shapes]
+        if scatter:
+            given.append(_alloc(where, device_id, [numel]))
+        sorted_pitch, expert_pitch = P, M
+    else:
+        sorted_pitch, expert_pitch = pitches[0], pitches[1]
+
+    job = Job(topk_ids=ids.reshape(-1), numel=numel, topk=topk, num_experts=num_experts,
+              block_size=block_size, rows=rows, padded_len=P, num_tiles=M,
+              sorted_ids=given[0], expert_ids=given[1], num_post_pad=given[2],
+              sorted_pitch=sorted_pitch, expert_pitch=expert_pitch, map_mode=map_mode,
+              expert_map=native["expert_map"], token_slot=native["token_lora_mapping"],
+              lora_ids=native["lora_ids"], adapter_enabled=native["adapter_enabled"],
+              scatter_idx=given[3] if scatter else None, fill_unprocessed=fill_unprocessed,
+              deterministic=bool(deterministic))
+    results = tuple(outs) if out is not None else tuple(given)
+    return _Call(where, framework, device_id, job, results)
+
+
+def _row_views(buf, rows, pitch, length):
+    flat = buf.reshape(-1)
+    return flat[: rows * pitch].reshape(rows, pitch)[:, :length]
+
+
+def run_on_host(job: Job):
+    """Run a prepared job on the NumPy backend."""
+    rows = job.rows
+    sorted_v = _row_views(job.sorted_ids, rows, job.sorted_pitch, job.padded_len)
+    expert_v = _row_views(job.expert_ids, rows, job.expert_pitch, job.num_tiles)
+    ntpp = job.num_post_pad.reshape(-1)[:rows]
+    processed = None
+    route_rows = None
+    if job.token_slot is not None:
+        processed = processed_rows(rows, job.lora_ids, job.adapter_enabled)
+        route_rows = np.repeat(np.asarray(job.token_slot, dtype=np.int64), job.topk)
+    kept = align_rows(job.topk_ids, job.num_experts, job.block_size, sorted_v, expert_v, ntpp,
+                      expert_map=job.expert_map, map_before=job.map_mode == MAP_BEFORE,
+                      route_rows=route_rows, processed=processed)
+    if job.fill_unprocessed and processed is not None:
+        idle = np.flatnonzero(~processed)
+        sorted_v[idle] = job.numel
+        expert_v[idle] = -1
+        ntpp[idle] = 0
+    if job.scatter_idx is not None:
+        job.scatter_idx.reshape(-1)[: job.numel] = np.where(
+            kept, np.arange(job.numel, dtype=np.int32), -1)
+
+
+def _execute(call: _Call, variant=None, stream=None):
+    if call.where == _interop.HOST:
+        if variant is not None:
+            from ._dispatch import VARIANTS
+
+            if variant not in VARIANTS:
+                raise ValueError(f"variant must be one of {VARIANTS} or None, got {variant!r}")
+        run_on_host(call.job)
+    else:
+        from . import _launch
+
+        _launch.run(call.job, call.device_id, call.framework, variant=variant, stream=stream,
+                    needs_alloc=call.job.fill_unprocessed)
+    return _answer(call)
+
+
+def _answer(call: _Call):
+    """The call's results in the caller's framework (buffers the caller gave stay as given)."""
+    return tuple(_interop.from_native(r, call.framework)
+                 if _interop.framework_of(r) in ("numpy", "cupy") else r for r in call.results)
+
+
+def _map_mode(expert_map, ignore_invalid_experts):
+    if expert_map is None:
+        return MAP_NONE
+    return MAP_BEFORE if ignore_invalid_experts else MAP_AFTER
+
+
+# ---- public API ---------------------------------------------------------------------------
+def moe_align_block_size(topk_ids, block_size, num_experts, expert_map=None, *,
+                         pad_sorted_ids=False, ignore_invalid_experts=False,
+                         return_scatter_idx=False, deterministic=False, out=None,
+                         variant=None, stream=None, validate=None):
+    """Group the routes of ``topk_ids`` by expert, padded to tiles of ``block_size``.
+
+    Args:
+        topk_ids: ``[T, K]`` integer array (int8..int64, uint8..uint64) of expert ids; NumPy
+            (runs on the host backend), or CuPy / PyTorch CUDA / JAX GPU (runs on the GPU).
+        block_size: tile height ``B`` of the fused MoE GEMM, > 0.
+        num_experts: ``E``, the global expert count; ids outside ``[0, E)`` are dropped.
+        expert_map: optional int32 ``[E]``, global id -> local id or -1 (expert parallelism).
+        pad_sorted_ids: round ``P`` up to a multiple of ``B``.
+        ignore_invalid_experts: with ``expert_map``, drop non-local routes before counting
+            (tiles hold local ids); otherwise count global ids and map each tile's id.
+        return_scatter_idx: also return ``scatter_idx[numel]``.
+        deterministic: routes inside each segment in ascending flat index, bit-identical.
+        out: optional ``(sorted_token_ids[>=P], expert_ids[>=M], num_tokens_post_pad[>=1]
+            [, scatter_idx[>=numel]])`` int32 contiguous buffers, written in place and returned.
+            Sizes: ``buffer_sizes(numel, E, B, pad_sorted_ids)``.
+        variant: ``None`` (the dispatcher picks), ``"shared"`` or ``"global"``.
+        stream: GPU only: the stream to order the work on (a ``cupy.cuda.Stream`` or a
+            framework stream); default: the current stream of the input's framework.
+        validate: check values (``expert_map`` range); default on for host arrays, off for
+            device arrays (it costs a device sync).
+
+    Returns:
+        ``Alignment(sorted_token_ids, expert_ids, num_tokens_post_pad)`` (or
+        ``AlignmentWithScatter`` with ``scatter_idx``), arrays of the input's framework. On the
+        GPU the call only enqueues work on the stream; the host never blocks.
+    """
+    call = _prepare(topk_ids, block_size, num_experts, rows=1, expert_map=expert_map,
+                    map_mode=_map_mode(expert_map, ignore_invalid_experts),
+                    pad_sorted_ids=pad_sorted_ids, scatter=return_scatter_idx,
+                    deterministic=deterministic, out=out, validate=validate)
+    res = _execute(call, variant, stream)
+    return AlignmentWithScatter(*res) if return_scatter_idx else Alignment(*res)
+
+
+def moe_lora_align_block_size(topk_ids, token_lora_mapping, block_size, num_experts, max_loras,
+                              *, lora_ids=None, adapter_enabled=None, expert_map=None,
+                              pad_sorted_ids=False, deterministic=False, out=None,
+                              variant=None, stream=None, validate=None):
+    """Align the routes of every LoRA adapter slot on its own, one output row per slot.
+
+    Row ``L`` is exactly the base alignment of the routes of the tokens with
+    ``token_lora_mapping[t] == L`` (flat indices stay global, the sentinel stays ``numel``).
+
+    Args:
+        topk_ids: ``[T, K]`` integer expert ids (see ``moe_align_block_size``).
+        token_lora_mapping: int32 ``[T]``, the slot of each token or -1 (base-model token).
+        block_size, num_experts: as for ``moe_align_block_size``.
+        max_loras: number of adapter slots (rows), > 0.
+        lora_ids: optional int32 ``[>= max_loras + 1]``, the slots to process; -1 and values
+            ``>= max_loras`` are skipped. Default: every slot.
+        adapter_enabled: optional int32 ``[>= max_loras + 1]`` indexed by slot, 0 = disabled.
+        expert_map: optional int32 ``[E]``, applied before counting (non-local routes dropped).
+        out: optional ``(sorted_token_ids, expert_ids, num_tokens_post_pad)``: ``[max_loras,
+            >=P]`` (or flat ``>= max_loras*P``), ``[max_loras, >=M]``, ``[>= max_loras]``.
+            Rows of slots that are not processed are left exactly as they were. Without
+            ``out``, such rows read as the empty alignment (0, all -1, all ``numel``).
+        variant, stream, validate, deterministic, pad_sorted_ids: as for
+            ``moe_align_block_size``; validation also checks ``token_lora_mapping`` and
+            ``lora_ids`` values.
+
+    Returns:
+        ``LoraAlignment(sorted_token_ids, expert_ids, num_tokens_post_pad)``.
+    """
+    max_loras = _checks.positive_int("max_loras", max_loras)
+    call = _prepare(topk_ids, block_size, num_experts, rows=max_loras,
+                    token_lora_mapping=token_lora_mapping, lora_ids=lora_ids,
+                    adapter_enabled=adapter_enabled, expert_map=expert_map,
+                    map_mode=MAP_NONE if expert_map is None else MAP_BEFORE,
+                    pad_sorted_ids=pad_sorted_ids, deterministic=deterministic, out=out,
+                    validate=validate, lora=True)
+    return LoraAlignment(*_execute(call, variant, stream))
+
+
+def align_moe_and_lora(topk_ids, token_lora_mapping, block_size, num_experts, max_loras, *,
+                       lora_ids=None, adapter_enabled=None, expert_map=None,
+                       ignore_invalid_experts=False, pad_sorted_ids=False, deterministic=False,
+                       out_base=None, out_lora=None, streams=None, variant=None, stream=None,
+                       validate=None):
+    """Base and LoRA alignment of one batch at once; returns ``(Alignment, LoraAlignment)``.
+
+    The arguments are those of ``moe_align_block_size`` (base: ``expert_map`` with
+    ``ignore_invalid_experts``) and ``moe_lora_align_block_size`` (LoRA: ``expert_map`` always
+    applied before counting); ``out_base``/``out_lora`` are their ``out=`` buffers.
+
+    On the GPU, ``streams`` picks how the two run, ordered on the caller's stream:
+    ``"fused"`` one launch that computes both (decode sizes), ``"two"`` the LoRA and base
+    alignments forked onto two side streams and joined back (prefill sizes), ``"one"`` both
+    after each other on the caller's stream; ``None`` lets the dispatcher choose. On the host
+    both simply run.
+    """
+    max_loras = _checks.positive_int("max_loras", max_loras)
+    base = _prepare(topk_ids, block_size, num_experts, rows=1, expert_map=expert_map,
+                    map_mode=_map_mode(expert_map, ignore_invalid_experts),
+                    pad_sorted_ids=pad_sorted_ids, deterministic=deterministic, out=out_base,
+                    validate=validate)
+    lora = _prepare(topk_ids, block_size, num_experts, rows=max_loras,
+                    token_lora_mapping=token_lora_mapping, lora_ids=lora_ids,
+                    adapter_enabled=adapter_enabled, expert_map=expert_map,
+                    map_mode=MAP_NONE if expert_map is None else MAP_BEFORE,
+                    pad_sorted_ids=pad_sorted_ids, deterministic=deterministic, out=out_lora,
+                    validate=validate, lora=True)
+    if base.where == _interop.HOST:
+        if streams is not None and streams not in ("fused", "one", "two"):
+            raise ValueError(f"streams must be 'fused', 'one', 'two' or None, got {streams!r}")
+        run_on_host(base.job)
+        run_on_host(lora.job)
+    else:
+        from . import _launch
+
+        _launch.run_pair(base.job, lora.job, base.device_id, base.framework, streams=streams,
+                         variant=variant, stream=stream,
+                         needs_alloc=base.job.fill_unprocessed or lora.job.fill_unprocessed)
+    return (Alignment(*_answer(base)), LoraAlignment(*_answer(lora)))
