@@ -7,11 +7,12 @@ Public API: ``moe_align_block_size``, ``moe_lora_align_block_size``, ``align_moe
 from ._sizes import buffer_sizes
 from .api import (Alignment, AlignmentWithScatter, LoraAlignment, align_moe_and_lora,
                   moe_align_block_size, moe_lora_align_block_size)
+from .plan import AlignPlan
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Alignment", "AlignmentWithScatter", "LoraAlignment", "align_moe_and_lora",
+    "AlignPlan", "Alignment", "AlignmentWithScatter", "LoraAlignment", "align_moe_and_lora",
     "moe_align_block_size", "moe_lora_align_block_size", "buffer_sizes", "gpu_available",
     "__version__",
 ]

@@ -7,6 +7,7 @@ the scratch workspaces. A call allocates nothing beyond the outputs it returns.
 from __future__ import annotations
 
 import functools
+import struct
 from dataclasses import dataclass
 
 import numpy as np
@@ -96,24 +97,23 @@ def _ptr(x) -> int:
     return 0 if x is None else int(x.data.ptr)
 
 
+# Little-endian, no padding: 14 pointers then 16 ints, exactly PROBLEM_DTYPE's layout.
+_PACKER = struct.Struct("<%dQ%di" % (len(_POINTERS), len(_INTS)))
+assert _PACKER.size == PROBLEM_DTYPE.itemsize
+
+
 def pack(job: Job, launch: _dispatch.Launch, ws: Workspace) -> np.void:
-    p = np.zeros((), dtype=PROBLEM_DTYPE)
-    for name, arr in (("topk_ids", job.topk_ids), ("token_slot", job.token_slot),
-                      ("lora_ids", job.lora_ids), ("adapter_enabled", job.adapter_enabled),
-                      ("expert_map", job.expert_map), ("sorted_ids", job.sorted_ids),
-                      ("expert_ids", job.expert_ids), ("num_post_pad", job.num_post_pad),
-                      ("scatter_idx", job.scatter_idx), ("counts", ws.counts),
-                      ("starts", ws.starts), ("cursor", ws.cursor),
-                      ("chunk_hist", ws.chunk_hist), ("ticket", ws.ticket)):
-        p[name] = _ptr(arr)
-    p["numel"], p["topk"], p["num_experts"] = job.numel, max(job.topk, 1), job.num_experts
-    p["block_size"], p["rows"], p["padded_len"] = job.block_size, job.rows, job.padded_len
-    p["lora_ids_len"] = 0 if job.lora_ids is None else int(job.lora_ids.shape[0])
-    p["num_tiles"], p["sorted_pitch"], p["expert_pitch"] = (job.num_tiles, job.sorted_pitch,
-                                                            job.expert_pitch)
-    p["map_mode"], p["fill_unprocessed"] = job.map_mode, int(job.fill_unprocessed)
-    p["chunk"], p["range_width"], p["ranges"] = launch.chunk, launch.range_width, launch.ranges
-    return p[()]
+    """The kernels' ``Problem`` argument for one job (one struct.pack: cheap on the hot path)."""
+    raw = _PACKER.pack(
+        _ptr(job.topk_ids), _ptr(job.token_slot), _ptr(job.lora_ids),
+        _ptr(job.adapter_enabled), _ptr(job.expert_map), _ptr(job.sorted_ids),
+        _ptr(job.expert_ids), _ptr(job.num_post_pad), _ptr(job.scatter_idx),
+        _ptr(ws.counts), _ptr(ws.starts), _ptr(ws.cursor), _ptr(ws.chunk_hist), _ptr(ws.ticket),
+        job.numel, max(job.topk, 1), job.num_experts, job.block_size, job.rows,
+        0 if job.lora_ids is None else int(job.lora_ids.shape[0]), job.padded_len,
+        job.num_tiles, job.sorted_pitch, job.expert_pitch, job.map_mode,
+        int(job.fill_unprocessed), launch.chunk, launch.range_width, launch.ranges, 0)
+    return np.frombuffer(raw, dtype=PROBLEM_DTYPE)[0]
 
 
 def plan_launch(job: Job, device_id: int, variant=None) -> _dispatch.Launch:

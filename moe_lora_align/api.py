@@ -64,7 +64,7 @@ def _alloc(where, device_id, shape):
 def _prepare(topk_ids, block_size, num_experts, *, rows, token_lora_mapping=None,
              lora_ids=None, adapter_enabled=None, expert_map=None, map_mode=MAP_NONE,
              pad_sorted_ids=False, scatter=False, deterministic=False, out=None,
-             validate=None, lora=False):
+             validate=None, lora=False, stream=None):
     block_size = _checks.positive_int("block_size", block_size)
     num_experts = _checks.positive_int("num_experts", num_experts)
     names = ("sorted_token_ids", "expert_ids", "num_tokens_post_pad") + (
@@ -117,6 +117,11 @@ def _prepare(topk_ids, block_size, num_experts, *, rows, token_lora_mapping=None
         full = length if n != "num_tokens_post_pad" else rows
         pitches.append(_checks.check_output(n, buf, r, full))
     fill_unprocessed = out is None
+    if out is None and where == _interop.DEVICE:
+        from ._launch import check_capturable
+
+        check_capturable(_interop.caller_stream(framework, device_id, stream), True,
+                         "a call without out= buffers")
     if out is None:
         shapes = ([rows, P], [rows, M], [rows]) if lora else ([P], [M], [1])
         given = [_alloc(where, device_id, s) for s in shapes]
@@ -230,7 +235,7 @@ def moe_align_block_size(topk_ids, block_size, num_experts, expert_map=None, *,
     call = _prepare(topk_ids, block_size, num_experts, rows=1, expert_map=expert_map,
                     map_mode=_map_mode(expert_map, ignore_invalid_experts),
                     pad_sorted_ids=pad_sorted_ids, scatter=return_scatter_idx,
-                    deterministic=deterministic, out=out, validate=validate)
+                    deterministic=deterministic, out=out, validate=validate, stream=stream)
     res = _execute(call, variant, stream)
     return AlignmentWithScatter(*res) if return_scatter_idx else Alignment(*res)
 
@@ -270,7 +275,7 @@ def moe_lora_align_block_size(topk_ids, token_lora_mapping, block_size, num_expe
                     adapter_enabled=adapter_enabled, expert_map=expert_map,
                     map_mode=MAP_NONE if expert_map is None else MAP_BEFORE,
                     pad_sorted_ids=pad_sorted_ids, deterministic=deterministic, out=out,
-                    validate=validate, lora=True)
+                    validate=validate, lora=True, stream=stream)
     return LoraAlignment(*_execute(call, variant, stream))
 
 
@@ -295,13 +300,13 @@ def align_moe_and_lora(topk_ids, token_lora_mapping, block_size, num_experts, ma
     base = _prepare(topk_ids, block_size, num_experts, rows=1, expert_map=expert_map,
                     map_mode=_map_mode(expert_map, ignore_invalid_experts),
                     pad_sorted_ids=pad_sorted_ids, deterministic=deterministic, out=out_base,
-                    validate=validate)
+                    validate=validate, stream=stream)
     lora = _prepare(topk_ids, block_size, num_experts, rows=max_loras,
                     token_lora_mapping=token_lora_mapping, lora_ids=lora_ids,
                     adapter_enabled=adapter_enabled, expert_map=expert_map,
                     map_mode=MAP_NONE if expert_map is None else MAP_BEFORE,
                     pad_sorted_ids=pad_sorted_ids, deterministic=deterministic, out=out_lora,
-                    validate=validate, lora=True)
+                    validate=validate, lora=True, stream=stream)
     if base.where == _interop.HOST:
         if streams is not None and streams not in ("fused", "one", "two"):
             raise ValueError(f"streams must be 'fused', 'one', 'two' or None, got {streams!r}")

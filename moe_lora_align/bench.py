@@ -1,0 +1,456 @@
+"""Benchmark: ``python -m moe_lora_align.bench [--quick] [--json PATH] [--plot PATH]``.
+
+Times every variant and the public paths over the reference's rows (``data/anchors_h200.json``)
+plus base+LoRA pairs, after checking each result against the NumPy backend. Per row:
+graph-replay microseconds per call (20 calls captured in one CUDA graph, median of many
+replays), eager microseconds per call (launched back to back from Python through an
+``AlignPlan``), and a baseline built only from CuPy library calls, timed in the same run.
+Without a GPU it runs the NumPy backend on a small grid and says that GPU figures need a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+import moe_lora_align as mla
+
+ANCHORS = Path(__file__).with_name("data") / "anchors_h200.json"
+BANDWIDTH = 4.3e12          # bytes/s, measured copy bandwidth of the H200 (ANCHORS.md)
+LAUNCH_FLOOR_US = 0.9       # one kernel node in a graph (ANCHORS.md)
+GRAPH_CALLS, REPLAYS = 20, 30
+
+
+def anchor_rows():
+    return json.loads(ANCHORS.read_text())["rows"]
+
+
+# ---- inputs ---------------------------------------------------------------------------------
+def routing(rng, T, K, E, kind):
+    """Distinct experts per token drawn uniformly, or a skewed routing with a few hot experts."""
+    if kind == "skewed":
+        hot = rng.choice(E, size=min(4, E), replace=False)
+        cold = rng.integers(E, size=(T, K))
+        pick = rng.random((T, K)) < 0.8
+        return np.where(pick, hot[rng.integers(hot.size, size=(T, K))], cold).astype(np.int32)
+    if K <= E:
+        keys = rng.random((T, E), dtype=np.float32)
+        return np.argpartition(keys, K - 1, axis=1)[:, :K].astype(np.int32)
+    return rng.integers(E, size=(T, K)).astype(np.int32)
+
+
+def lora_inputs(rng, T, L):
+    mapping = rng.integers(L, size=T).astype(np.int32)
+    used = np.unique(mapping)
+    lora_ids = np.full(L + 1, -1, np.int32)
+    lora_ids[1:1 + used.size] = used
+    return mapping, lora_ids, np.ones(L + 1, np.int32)
+
+
+def floor_us(op, T, K, E, B, L, launches):
+    numel = T * K
+    P, M = mla.buffer_sizes(numel, E, B)
+    rows = {"base": 1, "lora": L, "pair": L + 1}[op]
+    moved = numel * 4 + (T * 4 if op != "base" else 0) + rows * (P + M + 1) * 4
+    return max(launches * LAUNCH_FLOOR_US, moved / BANDWIDTH * 1e6)
+
+
+# ---- timing ---------------------------------------------------------------------------------
+def graph_us(fn, stream):
+    """Per-call time of ``fn`` captured GRAPH_CALLS times in one graph, median of replays."""
+    import cupy
+
+    with stream:
+        for _ in range(3):
+            fn()
+        stream.synchronize()
+        stream.begin_capture()
+        for _ in range(GRAPH_CALLS):
+            fn()
+        graph = stream.end_capture()
+        for _ in range(3):
+            graph.launch(stream)
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        times = []
+        for _ in range(REPLAYS):
+            start.record(stream)
+            graph.launch(stream)
+            stop.record(stream)
+            stop.synchronize()
+            times.append(cupy.cuda.get_elapsed_time(start, stop) * 1e3 / GRAPH_CALLS)
+    return statistics.median(times)
+
+
+def eager_us(fn, stream, calls=100, reps=7):
+    """Per-call time of ``fn`` launched back to back from Python (median of ``reps``)."""
+    import cupy
+
+    with stream:
+        for _ in range(5):
+            fn()
+        stream.synchronize()
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        times = []
+        for _ in range(reps):
+            start.record(stream)
+            for _ in range(calls):
+                fn()
+            stop.record(stream)
+            stop.synchronize()
+            times.append(cupy.cuda.get_elapsed_time(start, stop) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def cupy_baseline(ids, E, B, mapping=None, L=1):
+    """Alignment from CuPy library calls only (bincount, argsort, cumsum): the baseline."""
+    import cupy
+
+    flat = ids.reshape(-1)
+    numel = flat.size
+    valid = (flat >= 0) & (flat < E)
+    bucket = flat.astype(cupy.int64)
+    if mapping is not None:
+        slot = cupy.repeat(mapping, ids.shape[1])
+        valid &= slot >= 0
+        bucket = slot.astype(cupy.int64) * E + bucket
+    bucket = cupy.where(valid, bucket, L * E)
+    order = cupy.argsort(bucket)
+    counts = cupy.bincount(bucket, minlength=L * E + 1)[: L * E]
+    padded = (counts + B - 1) // B * B
+    starts = cupy.cumsum(padded.reshape(L, E), axis=1) - padded.reshape(L, E)
+    first = cupy.cumsum(counts) - counts
+    sb = bucket[order]
+    keep = sb < L * E
+    sb, idx = sb[keep], order[keep]
+    rank = cupy.arange(sb.size) - first[sb]
+    P, M = mla.buffer_sizes(numel, E, B)
+    out = cupy.full((L, P), numel, cupy.int32)
+    out[sb // E, starts.reshape(-1)[sb] + rank] = idx.astype(cupy.int32)
+    tiles = (padded // B).reshape(-1)
+    tile_bucket = cupy.repeat(cupy.arange(L * E), tiles)  # syncs: the size is data dependent
+    experts = cupy.full((L, M), -1, cupy.int32)
+    row = tile_bucket // E
+    row_first = cupy.cumsum(tiles.reshape(L, E).sum(axis=1)) - tiles.reshape(L, E).sum(axis=1)
+    experts[row, cupy.arange(tile_bucket.size) - row_first[row]] = (tile_bucket % E).astype(
+        cupy.int32)
+    return out, experts, padded.reshape(L, E).sum(axis=1)
+
+
+# ---- one row --------------------------------------------------------------------------------
+def check_against_numpy(res, ref, starts_fn):
+    """Compare a GPU result (free order inside segments) with the NumPy backend's."""
+    import cupy
+
+    got = [cupy.asnumpy(x) for x in res]
+    for g, r in zip(got[1:], ref[1:]):
+        if not np.array_equal(g, r):
+            raise AssertionError("GPU result differs from the NumPy backend")
+    s = starts_fn()
+    a, b = np.array(got[0]).reshape(s.shape[0], -1), np.asarray(ref[0]).reshape(s.shape[0], -1)
+    for r in range(s.shape[0]):
+        seg = np.searchsorted(s[r], np.arange(a.shape[1]), side="right")
+        if not np.array_equal(a[r][np.lexsort((a[r], seg))], b[r][np.lexsort((b[r], seg))]):
+            raise AssertionError("GPU result differs from the NumPy backend")
+
+
+def _starts(ids, E, B, rows=1, mapping=None):
+    flat = ids.reshape(-1).astype(np.int64)
+    valid = (flat >= 0) & (flat < E)
+    bucket = flat
+    if mapping is not None:
+        slot = np.repeat(mapping.astype(np.int64), ids.shape[1])
+        valid &= slot >= 0
+        bucket = slot * E + flat
+    counts = np.bincount(bucket[valid], minlength=rows * E).reshape(rows, E)
+    padded = (counts + B - 1) // B * B
+    out = np.zeros((rows, E + 1), np.int64)
+    np.cumsum(padded, axis=1, out=out[:, 1:])
+    return out
+
+
+def bench_single(row, kind, stream, quick):
+    """Base or LoRA row: default path (graph + eager), each variant, deterministic, baseline."""
+    import cupy
+
+    op, T, E, K, B = row["op"], row["tokens"], row["num_experts"], row["topk"], row["block_size"]
+    L = row.get("max_loras")
+    rng = np.random.default_rng(T * 31 + E)
+    ids = routing(rng, T, K, E, kind)
+    d_ids = cupy.asarray(ids)
+    result = dict(op=op, tokens=T, num_experts=E, topk=K, block_size=B, routing=kind)
+    if L:
+        result["max_loras"] = L
+        mapping, lora_ids, enabled = lora_inputs(rng, T, L)
+        dm, dl, de = (cupy.asarray(x) for x in (mapping, lora_ids, enabled))
+        ref = mla.moe_lora_align_block_size(ids, mapping, B, E, L, lora_ids=lora_ids)
+        starts = lambda: _starts(ids, E, B, L, mapping)  # noqa: E731
+    else:
+        ref = mla.moe_align_block_size(ids, B, E)
+        starts = lambda: _starts(ids, E, B)  # noqa: E731
+
+    def runner(**opts):
+        plan = mla.AlignPlan(T, K, E, B, max_loras=L, **opts)
+        if L:
+            fn = lambda: plan(d_ids, dm, lora_ids=dl, adapter_enabled=de, stream=stream)[1]  # noqa
+        else:
+            fn = lambda: plan(d_ids, stream=stream)  # noqa: E731
+        with stream:
+            res = fn()
+        stream.synchronize()
+        check_against_numpy(res, ref, starts)
+        return fn
+
+    fn = runner()
+    result["graph_us"] = graph_us(fn, stream)
+    result["eager_us"] = eager_us(fn, stream)
+    result["deterministic_graph_us"] = graph_us(runner(deterministic=True), stream)
+    if not quick:
+        for variant in ("shared", "global"):
+            try:
+                result[f"{variant}_graph_us"] = graph_us(runner(variant=variant), stream)
+            except ValueError:  # shared cannot hold the buckets
+                result[f"{variant}_graph_us"] = None
+    if L:
+        base_fn = lambda: cupy_baseline(d_ids, E, B, dm, L)  # noqa: E731
+    else:
+        base_fn = lambda: cupy_baseline(d_ids, E, B)  # noqa: E731
+    result["baseline_eager_us"] = eager_us(base_fn, stream, calls=5, reps=3)
+    launches = 1 if T * K <= mla._dispatch.SINGLE_BLOCK_MAX_ROUTES else 2
+    result["floor_us"] = floor_us(op, T, K, E, B, L or 1, launches)
+    result["reference_graph_us"] = row.get("graph_us")
+    result["reference_eager_us"] = row.get("eager_us")
+    return result
+
+
+def bench_pair(T, E, K, B, L, stream):
+    """Base alone, LoRA alone, and both: one stream, two streams, fused (where it fits)."""
+    import cupy
+
+    rng = np.random.default_rng(T + E + L)
+    ids = routing(rng, T, K, E, "uniform")
+    mapping, lora_ids, enabled = lora_inputs(rng, T, L)
+    d = [cupy.asarray(x) for x in (ids, mapping, lora_ids, enabled)]
+    result = dict(op="pair", tokens=T, num_experts=E, topk=K, block_size=B, max_loras=L)
+    base_plan = mla.AlignPlan(T, K, E, B)
+    lora_plan = mla.AlignPlan(T, K, E, B, max_loras=L)
+    result["base_graph_us"] = graph_us(lambda: base_plan(d[0], stream=stream), stream)
+    result["lora_graph_us"] = graph_us(
+        lambda: lora_plan(d[0], d[1], lora_ids=d[2], adapter_enabled=d[3], stream=stream),
+        stream)
+    ref_b = mla.moe_align_block_size(ids, B, E)
+    ref_l = mla.moe_lora_align_block_size(ids, mapping, B, E, L, lora_ids=lora_ids)
+    for mode in ("one", "two", "fused", None):
+        try:
+            plan = mla.AlignPlan(T, K, E, B, max_loras=L, streams=mode)
+            fn = lambda: plan(d[0], d[1], lora_ids=d[2], adapter_enabled=d[3], stream=stream)  # noqa
+            with stream:
+                b, lo = fn()
+            stream.synchronize()
+        except ValueError:
+            result[f"{mode}_graph_us"] = None
+            continue
+        check_against_numpy(b, ref_b, lambda: _starts(ids, E, B))
+        check_against_numpy(lo, ref_l, lambda: _starts(ids, E, B, L, mapping))
+        key = mode or "auto"
+        result[f"{key}_graph_us"] = graph_us(fn, stream)
+        if mode is None:
+            result["auto_eager_us"] = eager_us(fn, stream)
+    result["floor_us"] = floor_us("pair", T, K, E, B, L, 1)
+    return result
+
+
+def first_call_seconds():
+    """Seconds of the first alignment in a fresh process once the kernel cache is warm."""
+    code = ("import time, cupy, moe_lora_align as m;"
+            "x = cupy.asarray([[1, 2]], dtype='int32'); cupy.cuda.Device().synchronize();"
+            "t = time.perf_counter(); m.moe_align_block_size(x, 16, 64);"
+            "cupy.cuda.Device().synchronize(); print(time.perf_counter() - t)")
+    times = []
+    for _ in range(3):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             check=True)
+        times.append(float(out.stdout.strip().splitlines()[-1]))
+    return times  # the first may compile (cold cache); the others read the disk cache
+
+
+# ---- grid -----------------------------------------------------------------------------------
+QUICK_ROWS = [("base", 1, 64), ("base", 256, 256), ("base", 16384, 256), ("base", 65536, 256),
+              ("lora", 16, 256), ("lora", 4096, 256), ("lora", 16384, 256)]
+PAIRS = [(1, 64, 8, 16, 4), (64, 256, 8, 16, 16), (256, 256, 8, 16, 16), (4096, 256, 8, 64, 16),
+         (16384, 256, 8, 64, 16), (65536, 256, 8, 64, 4)]
+
+
+def select_rows(quick):
+    rows = anchor_rows()
+    if not quick:
+        return rows
+    chosen = []
+    for op, T, E in QUICK_ROWS:
+        match = [r for r in rows if r["op"] == op and r["tokens"] == T and r["num_experts"] == E
+                 and r.get("max_loras") in (None, 16)]
+        chosen.extend(match[:1])
+    return chosen
+
+
+def versions():
+    import cupy
+
+    dev = cupy.cuda.Device()
+    props = cupy.cuda.runtime.getDeviceProperties(dev.id)
+    return {"moe_lora_align": mla.__version__, "cupy": cupy.__version__,
+            "numpy": np.__version__, "python": platform.python_version(),
+            "cuda_runtime": cupy.cuda.runtime.runtimeGetVersion(),
+            "driver": cupy.cuda.runtime.driverGetVersion(),
+            "device": props["name"].decode() if isinstance(props["name"], bytes) else props["name"],
+            "commit": _git_commit()}
+
+
+def _git_commit():
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, cwd=Path(__file__).parent).stdout.strip() or None
+    except OSError:
+        return None
+
+
+def fmt(x, width=8):
+    return f"{x:{width}.2f}" if isinstance(x, (int, float)) and x is not None else " " * (width - 1) + "-"
+
+
+def table(results):
+    lines = []
+    head = (f"{'op':5} {'T':>6} {'E':>5} {'K':>3} {'B':>4} {'L':>3} {'route':8} {'graph':>8} "
+            f"{'eager':>8} {'det':>8} {'shared':>8} {'global':>8} {'ref':>8} {'x ref':>7} "
+            f"{'cupy':>9} {'x cupy':>7} {'floor':>7}")
+    lines.append(head)
+    for r in results:
+        if r["op"] == "pair":
+            continue
+        ref = r.get("reference_graph_us")
+        lines.append(
+            f"{r['op']:5} {r['tokens']:6d} {r['num_experts']:5d} {r['topk']:3d} "
+            f"{r['block_size']:4d} {r.get('max_loras') or '':>3} {r['routing']:8} "
+            f"{fmt(r['graph_us'])} {fmt(r['eager_us'])} {fmt(r.get('deterministic_graph_us'))} "
+            f"{fmt(r.get('shared_graph_us'))} {fmt(r.get('global_graph_us'))} {fmt(ref)} "
+            f"{fmt(ref / r['graph_us'] if ref else None, 7)} {fmt(r['baseline_eager_us'], 9)} "
+            f"{fmt(r['baseline_eager_us'] / r['eager_us'], 7)} {fmt(r['floor_us'], 7)}")
+    pairs = [r for r in results if r["op"] == "pair"]
+    if pairs:
+        lines.append("")
+        lines.append(f"{'pair':5} {'T':>6} {'E':>5} {'K':>3} {'B':>4} {'L':>3} {'base':>8} "
+                     f"{'lora':>8} {'one':>8} {'two':>8} {'fused':>8} {'auto':>8} "
+                     f"{'auto eager':>10} {'floor':>7}")
+        for r in pairs:
+            lines.append(
+                f"{'':5} {r['tokens']:6d} {r['num_experts']:5d} {r['topk']:3d} "
+                f"{r['block_size']:4d} {r['max_loras']:3d} {fmt(r['base_graph_us'])} "
+                f"{fmt(r['lora_graph_us'])} {fmt(r.get('one_graph_us'))} "
+                f"{fmt(r.get('two_graph_us'))} {fmt(r.get('fused_graph_us'))} "
+                f"{fmt(r.get('auto_graph_us'))} {fmt(r.get('auto_eager_us'), 10)} "
+                f"{fmt(r['floor_us'], 7)}")
+    lines.append("graph/eager/det/shared/global/ref/floor: microseconds per call; x ref: "
+                 "reference graph time over ours; cupy: CuPy-library baseline, eager.")
+    return "\n".join(lines)
+
+
+def plot(results, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    for ax, op in zip(axes, ("base", "lora")):
+        rows = [r for r in results if r["op"] == op and r["routing"] == "uniform"]
+        keyfn = (lambda r: (r["num_experts"], r.get("max_loras") or 0))
+        for key in sorted({keyfn(r) for r in rows}):
+            sel = sorted((r for r in rows if keyfn(r) == key), key=lambda r: r["tokens"])
+            T = [r["tokens"] for r in sel]
+            label = f"E={key[0]}" + (f" L={key[1]}" if key[1] else "")
+            line, = ax.plot(T, [r["graph_us"] for r in sel], "o-", label=f"ours {label}")
+            if all(r.get("reference_graph_us") for r in sel):
+                ax.plot(T, [r["reference_graph_us"] for r in sel], "x--", color=line.get_color(),
+                        alpha=0.6)
+            ax.plot(T, [r["floor_us"] for r in sel], ":", color=line.get_color(), alpha=0.4)
+        ax.set(xscale="log", yscale="log", xlabel="tokens", ylabel="µs per call (graph replay)",
+               title=f"{op}: ours (solid), reference (dashed), floor (dotted)")
+        ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def host_only(quick):
+    print("No GPU (CuPy with a CUDA device) found: timing the NumPy backend on a small grid. "
+          "GPU figures need a GPU.")
+    rng = np.random.default_rng(0)
+    for T, E, K, L in [(1, 64, 8, 4), (256, 256, 8, 16), (4096, 256, 8, 16)][: 2 if quick else 3]:
+        ids = routing(rng, T, K, E, "uniform")
+        mapping, lora_ids, _ = lora_inputs(rng, T, L)
+        t0 = time.perf_counter()
+        for _ in range(5):
+            mla.moe_align_block_size(ids, 16, E)
+        t1 = time.perf_counter()
+        for _ in range(5):
+            mla.moe_lora_align_block_size(ids, mapping, 16, E, L, lora_ids=lora_ids)
+        t2 = time.perf_counter()
+        print(f"numpy  T={T:6d} E={E:4d} K={K} L={L:2d}: base {(t1 - t0) / 5 * 1e6:9.1f} µs, "
+              f"lora {(t2 - t1) / 5 * 1e6:9.1f} µs")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="a short subset of the grid")
+    ap.add_argument("--json", type=Path, help="write the raw numbers here")
+    ap.add_argument("--plot", type=Path, help="write a PNG plot here")
+    ap.add_argument("--table", type=Path, help="write the printed table here too")
+    ap.add_argument("--no-skewed", action="store_true", help="skip the skewed-routing rows")
+    args = ap.parse_args(argv)
+    if not mla.gpu_available():
+        host_only(args.quick)
+        return 0
+    import cupy
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    rows = select_rows(args.quick)
+    jobs = [(r, "uniform") for r in rows]
+    if not args.no_skewed:
+        jobs += [(r, "skewed") for r in rows if r["tokens"] >= 256 and r["num_experts"] >= 64
+                 and (args.quick or r["tokens"] in (256, 16384))]
+    pairs = PAIRS[:3:2] + PAIRS[3:5] if args.quick else PAIRS
+    results = []
+    total = len(jobs) + len(pairs)
+    t0 = time.perf_counter()
+    for n, (row, kind) in enumerate(jobs, 1):
+        print(f"[{n:3d}/{total}] {row['op']} T={row['tokens']} E={row['num_experts']} "
+              f"K={row['topk']} L={row.get('max_loras', '-')} {kind} "
+              f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+        results.append(bench_single(row, kind, stream, args.quick))
+    for n, p in enumerate(pairs, len(jobs) + 1):
+        print(f"[{n:3d}/{total}] pair T={p[0]} E={p[1]} L={p[4]}", file=sys.stderr, flush=True)
+        results.append(bench_pair(*p, stream))
+    first = first_call_seconds()
+    text = table(results)
+    text += f"\nfirst call in a new process (s), cold then warm disk cache: {first}"
+    info = versions()
+    text = f"versions: {info}\n" + text
+    print(text)
+    if args.table:
+        args.table.write_text(text + "\n")
+    if args.json:
+        args.json.write_text(json.dumps({"versions": info, "first_call_s": first,
+                                         "results": results}, indent=1))
+    if args.plot:
+        plot(results, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,207 @@
+"""AlignPlan: alignment for fixed maximum sizes, everything prepared once, safe to capture.
+
+Building a plan compiles and loads the kernels, sets their shared-memory attributes, creates the
+side streams and events, and allocates outputs and scratch for the largest call. A call with
+inputs up to those sizes then only packs arguments and enqueues kernels: no allocation, no host
+synchronisation, no device-attribute query. That is what a CUDA graph capture needs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import _checks, _interop
+from ._dispatch import choose_launch
+from ._kernels import kernels_for
+from ._launch import (MAP_AFTER, MAP_BEFORE, MAP_NONE, Job, Workspace, choose_streams,
+                      device_limits, launch_one, launch_pair, workspace_needs)
+from ._sizes import buffer_sizes
+from ._streams import side_streams
+from .api import Alignment, LoraAlignment
+
+
+class AlignPlan:
+    """Preallocated base (and optionally LoRA) alignment on one GPU.
+
+    Args:
+        max_tokens: the most tokens a call may pass (``T``).
+        topk: routes per token (``K``); every call must use this ``K``.
+        num_experts, block_size, pad_sorted_ids: as for ``moe_align_block_size``.
+        max_loras: adapter slots; ``None`` plans the base alignment only.
+        dtype: the ``topk_ids`` dtype every call uses (default int32).
+        device: CUDA device id (default: the current device).
+        ignore_invalid_experts: base alignment's expert-map mode (LoRA always maps before).
+        deterministic, variant: as for the public functions.
+        streams: how base and LoRA run (``"fused"``, ``"one"``, ``"two"`` or ``None`` to
+            let the dispatcher pick per size); see ``align_moe_and_lora``.
+
+    Calling the plan returns views of its own buffers: the next call overwrites them. Rows of
+    LoRA slots that a call does not process read as the empty alignment.
+    """
+
+    def __init__(self, max_tokens, topk, num_experts, block_size, *, max_loras=None,
+                 dtype=np.int32, device=None, pad_sorted_ids=False,
+                 ignore_invalid_experts=False, deterministic=False, variant=None,
+                 streams=None):
+        import cupy
+
+        self.max_tokens = _checks.positive_int("max_tokens", max_tokens)
+        self.topk = _checks.positive_int("topk", topk)
+        self.num_experts = _checks.positive_int("num_experts", num_experts)
+        self.block_size = _checks.positive_int("block_size", block_size)
+        self.max_loras = None if max_loras is None else _checks.positive_int("max_loras",
+                                                                             max_loras)
+        self.dtype = np.dtype(dtype)
+        if self.dtype not in _checks.ID_DTYPES:
+            raise TypeError(f"dtype must be an integer dtype of topk_ids, got {self.dtype}")
+        self.pad_sorted_ids = bool(pad_sorted_ids)
+        self.ignore_invalid_experts = bool(ignore_invalid_experts)
+        self.deterministic = bool(deterministic)
+        self.variant, self.streams = variant, streams
+        self.device_id = cupy.cuda.Device(device).id if device is not None else \
+            cupy.cuda.Device().id
+        rows = self.max_loras or 1
+        max_numel = self.max_tokens * self.topk
+        self.max_padded, self.max_tiles = buffer_sizes(max_numel, num_experts, block_size,
+                                                       pad_sorted_ids)
+        _checks.check_sizes(max_numel, rows, self.max_padded, self.max_tiles, block_size)
+
+        with cupy.cuda.Device(self.device_id):
+            self.limits = device_limits(self.device_id)
+            kernels_for(self.dtype, self.device_id, self.limits.smem_optin)
+            self._base_out = (cupy.empty(self.max_padded, np.int32),
+                              cupy.empty(self.max_tiles, np.int32), cupy.empty(1, np.int32))
+            self._base_ws = Workspace(self.device_id)
+            self._launches = {}
+            if self.max_loras is not None:
+                self._lora_out = (cupy.empty(rows * self.max_padded, np.int32),
+                                  cupy.empty(rows * self.max_tiles, np.int32),
+                                  cupy.empty(rows, np.int32))
+                self._lora_ws = Workspace(self.device_id)
+                self._sides = side_streams(self.device_id)
+            # Scratch for the largest call; every smaller call needs no more (see dispatcher).
+            for numel in sorted({0, 1, max_numel}):
+                self._geometry(numel)
+
+    # ---- sizes -----------------------------------------------------------------------------
+    def _geometry(self, numel):
+        """Launch decisions of one size, cached; grows the workspaces when first seen."""
+        g = self._launches.get(numel)
+        if g is not None:
+            return g
+        P, M = buffer_sizes(numel, self.num_experts, self.block_size, self.pad_sorted_ids)
+        E = self.num_experts
+        base = choose_launch(numel, E, 1, self.limits, deterministic=self.deterministic,
+                             variant=self.variant)
+        self._base_ws.ensure(*workspace_needs(base, E))
+        lora = None
+        if self.max_loras is not None:
+            nb = self.max_loras * E
+            lora = choose_launch(numel, nb, self.max_loras, self.limits,
+                                 deterministic=self.deterministic, variant=self.variant)
+            self._lora_ws.ensure(*workspace_needs(lora, nb))
+        g = self._launches[numel] = (P, M, base, lora)
+        return g
+
+    # ---- calls -----------------------------------------------------------------------------
+    def _inputs(self, topk_ids, token_lora_mapping, lora_ids, adapter_enabled, expert_map):
+        named = {"topk_ids": topk_ids, "token_lora_mapping": token_lora_mapping,
+                 "lora_ids": lora_ids, "adapter_enabled": adapter_enabled,
+                 "expert_map": expert_map}
+        where, framework = _interop.classify(named)
+        if where != _interop.DEVICE:
+            raise ValueError("AlignPlan runs on the GPU: pass device arrays (CuPy, PyTorch "
+                             "CUDA or JAX GPU); use the public functions for host arrays")
+        native = {k: _interop.to_native(v, where) for k, v in named.items()}
+        dev = _checks.check_same_device(native)
+        if dev != self.device_id:
+            raise ValueError(f"inputs are on GPU {dev} but the plan was built for GPU "
+                             f"{self.device_id}")
+        ids = native["topk_ids"]
+        _checks.check_topk_ids(ids)
+        T, K = int(ids.shape[0]), int(ids.shape[1])
+        if np.dtype(ids.dtype) != self.dtype:
+            raise TypeError(f"topk_ids is {np.dtype(ids.dtype)} but the plan was built for "
+                            f"{self.dtype}")
+        if K != self.topk:
+            raise ValueError(f"topk_ids has {K} routes per token but the plan was built for "
+                             f"topk={self.topk}")
+        if T > self.max_tokens:
+            raise ValueError(f"topk_ids has {T} tokens, more than the plan's max_tokens="
+                             f"{self.max_tokens}: build a larger AlignPlan")
+        if not ids.flags.c_contiguous:
+            raise ValueError("topk_ids must be C-contiguous")
+        if native["expert_map"] is not None:
+            _checks.check_int32_vector("expert_map", native["expert_map"], self.num_experts,
+                                       exact=True)
+        if self.max_loras is not None:
+            if native["token_lora_mapping"] is None:
+                raise ValueError("token_lora_mapping is required: the plan has max_loras set")
+            _checks.check_int32_vector("token_lora_mapping", native["token_lora_mapping"], T,
+                                       exact=True)
+            _checks.check_int32_vector("lora_ids", native["lora_ids"], self.max_loras + 1)
+            _checks.check_int32_vector("adapter_enabled", native["adapter_enabled"],
+                                       self.max_loras + 1)
+        return framework, native, T * K
+
+    def _jobs(self, native, numel):
+        P, M, base_launch, lora_launch = self._geometry(numel)
+        ids = native["topk_ids"].reshape(-1)
+        emap = native["expert_map"]
+        base_mode = MAP_NONE if emap is None else (
+            MAP_BEFORE if self.ignore_invalid_experts else MAP_AFTER)
+        s, e, n = self._base_out
+        common = dict(topk_ids=ids, numel=numel, topk=self.topk, num_experts=self.num_experts,
+                      block_size=self.block_size, padded_len=P, num_tiles=M,
+                      sorted_pitch=P, expert_pitch=M, expert_map=emap,
+                      fill_unprocessed=True, deterministic=self.deterministic)
+        base = Job(rows=1, sorted_ids=s[:P], expert_ids=e[:M], num_post_pad=n,
+                   map_mode=base_mode, **common)
+        lora = None
+        if self.max_loras is not None:
+            rows = self.max_loras
+            s, e, n = self._lora_out
+            lora = Job(rows=rows, sorted_ids=s[:rows * P].reshape(rows, P),
+                       expert_ids=e[:rows * M].reshape(rows, M), num_post_pad=n,
+                       map_mode=MAP_NONE if emap is None else MAP_BEFORE,
+                       token_slot=native["token_lora_mapping"], lora_ids=native["lora_ids"],
+                       adapter_enabled=native["adapter_enabled"], **common)
+        return base, base_launch, lora, lora_launch
+
+    def __call__(self, topk_ids, token_lora_mapping=None, *, lora_ids=None,
+                 adapter_enabled=None, expert_map=None, stream=None, streams=None):
+        """Align one batch; returns ``Alignment`` or, with ``max_loras``, ``(Alignment,
+        LoraAlignment)``, as views of the plan's buffers, ordered on ``stream`` (default:
+        the current stream of the input's framework)."""
+        import cupy
+
+        framework, native, numel = self._inputs(topk_ids, token_lora_mapping, lora_ids,
+                                                adapter_enabled, expert_map)
+        base, base_launch, lora, lora_launch = self._jobs(native, numel)
+        with cupy.cuda.Device(self.device_id):
+            s = _interop.caller_stream(framework, self.device_id, stream)
+            if lora is None:
+                launch_one(base, base_launch, self._base_ws, s, self.device_id)
+            else:
+                self._run_both(base, base_launch, lora, lora_launch, s,
+                               streams if streams is not None else self.streams)
+        wrap = (lambda x: _interop.from_native(x, framework))
+        out = Alignment(wrap(base.sorted_ids), wrap(base.expert_ids), wrap(base.num_post_pad))
+        if lora is None:
+            return out
+        return out, LoraAlignment(wrap(lora.sorted_ids), wrap(lora.expert_ids),
+                                  wrap(lora.num_post_pad))
+
+    def _run_both(self, base, base_launch, lora, lora_launch, caller, streams):
+        mode, pair = choose_streams(base, lora, self.device_id, streams, self.variant)
+        if mode == "fused":
+            launch_pair(base, lora, pair, self._base_ws, self._lora_ws, caller, self.device_id)
+        elif mode == "one":
+            launch_one(lora, lora_launch, self._lora_ws, caller, self.device_id)
+            launch_one(base, base_launch, self._base_ws, caller, self.device_id)
+        else:
+            self._sides.run(
+                caller,
+                lambda st: launch_one(lora, lora_launch, self._lora_ws, st, self.device_id),
+                lambda st: launch_one(base, base_launch, self._base_ws, st, self.device_id))
+        return mode

@@ -1,0 +1,81 @@
+"""The dispatcher's decisions for a table of cases (pure: no GPU)."""
+
+import pytest
+
+from moe_lora_align import _dispatch as d
+
+H200 = d.DeviceLimits.h200()
+SMALL = d.DeviceLimits(sm_count=16, smem_optin=48 * 1024)
+
+
+@pytest.mark.parametrize("numel,buckets,rows,limits,det,variant,expect", [
+    # decode sizes: one block, one launch
+    (8, 64, 1, H200, False, None, ("shared", "single", 1)),
+    (2048, 256, 1, H200, False, None, ("shared", "single", 1)),
+    (2048, 16 * 256, 16, H200, False, None, ("shared", "single", 1)),
+    (4096, 8192, 1, H200, False, None, ("shared", "single", 1)),
+    (2048, 256, 1, H200, True, None, ("shared", "single", 1)),
+    # prefill sizes: count + place over many blocks
+    (4097, 256, 1, H200, False, None, ("shared", "multi", 2)),
+    (65536 * 8, 256, 1, H200, False, None, ("shared", "multi", 2)),
+    (16384 * 8, 16 * 256, 16, H200, False, None, ("shared", "multi", 2)),
+    (16384 * 8, 16 * 256, 16, H200, True, None, ("shared", "multi", 2)),
+    # too many buckets for shared memory: the global variant, whatever the size
+    (8, 65536, 16, H200, False, None, ("global", "multi", 2)),
+    (65536 * 8, 65536, 16, H200, False, None, ("global", "multi", 2)),
+    (65536 * 8, 65536, 16, H200, True, None, ("global", "multi", 2)),
+    (2048, 16 * 1024, 16, SMALL, False, None, ("global", "multi", 2)),
+    # explicit variants
+    (8, 64, 1, H200, False, "global", ("global", "multi", 2)),
+    (2048, 256, 1, H200, True, "global", ("global", "multi", 2)),
+    (65536, 1024, 1, H200, False, "shared", ("shared", "multi", 2)),
+])
+def test_decisions(numel, buckets, rows, limits, det, variant, expect):
+    launch = d.choose_launch(numel, buckets, rows, limits, deterministic=det, variant=variant)
+    assert (launch.variant, launch.kind, launch.launches) == expect
+    assert launch.deterministic == det
+    assert launch.block % 32 == 0 and launch.block <= 1024
+    assert launch.grid >= 1
+    for smem in (launch.smem_single, launch.smem_count, launch.smem_place):
+        assert 0 <= smem <= limits.smem_optin
+    if launch.kind == "multi":
+        chunks = launch.grid // launch.ranges
+        assert chunks * launch.chunk >= numel
+        assert launch.chunk >= 1
+        if det:
+            assert launch.chunk <= d.WARP_COUNTER_MAX
+            assert launch.ranges * launch.range_width >= buckets
+            assert launch.range_width % 2 == 0
+        elif launch.variant == "shared":
+            assert launch.chunk <= d.BLOCK * d.ITEMS_PER_THREAD
+
+
+def test_shared_override_that_cannot_fit_is_a_clear_error():
+    with pytest.raises(ValueError, match="variant='shared'.*shared memory"):
+        d.choose_launch(1024, 65536, 16, H200, variant="shared")
+
+
+def test_unknown_variant():
+    with pytest.raises(ValueError, match="variant must be one of"):
+        d.choose_launch(1024, 64, 1, H200, variant="texture")
+
+
+def test_work_spreads_over_the_sms():
+    launch = d.choose_launch(65536 * 8, 256, 1, H200)
+    assert launch.grid >= H200.sm_count * 0.9
+    det = d.choose_launch(65536 * 8, 256, 1, H200, deterministic=True)
+    assert det.grid >= H200.sm_count
+
+
+def test_single_block_deterministic_uses_fewer_warps_for_many_buckets():
+    few = d.choose_launch(2048, 256, 1, H200, deterministic=True)
+    many = d.choose_launch(2048, 16 * 256, 16, H200, deterministic=True)
+    assert few.block == 1024
+    assert many.kind == "single" and many.block < 1024
+
+
+def test_pair_fuses_decode_and_declines_prefill():
+    pair = d.choose_pair(2048, 256, 16 * 256, 16, H200)
+    assert pair is not None and pair.grid == 2 and pair.smem_single <= H200.smem_optin
+    assert d.choose_pair(65536, 256, 16 * 256, 16, H200) is None
+    assert d.choose_pair(2048, 256, 65536, 16, H200) is None

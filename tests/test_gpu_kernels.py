@@ -1,0 +1,239 @@
+"""Every kernel variant against the NumPy oracle, on poisoned, guarded outputs (GPU only)."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+import moe_lora_align as mla
+from gpu_util import (GUARD, POISON, canonical, cupy, guarded, make_lora, make_routing,
+                      requires_gpu, segment_starts)
+
+pytestmark = [requires_gpu, pytest.mark.gpu]
+
+EXPERTS = (1, 7, 64, 257, 1024, 4096, 8192)
+TOKENS = (0, 1, 3, 255, 4096, 65536)
+KINDS = ("uniform", "skewed", "invalid", "duplicates", "hot")
+
+
+def _case_params(E, T, salt):
+    """Deterministic pick of K, B, dtype, routing for one (E, T) cell: covers the grid's other
+    axes without its full product."""
+    rng = np.random.default_rng(E * 1_000_003 + T * 7 + salt)
+    K = (1, 8)[(E + T + salt) % 2]
+    B = (1, 16, 64, 128)[(E // 7 + T + salt) % 4]
+    dtype = (np.int32, np.int64)[(E + salt) % 2]
+    kind = KINDS[(E + T // 3 + salt) % len(KINDS)]
+    return rng, K, B, dtype, kind
+
+
+def _base_case(E, T, variant, deterministic, salt, *, expert_map_mode=None, scatter=False):
+    rng, K, B, dtype, kind = _case_params(E, T, salt)
+    ids = make_routing(rng, T, K, E, dtype, kind)
+    emap = None
+    if expert_map_mode is not None:
+        emap = np.full(E, -1, dtype=np.int32)
+        local = rng.choice(E, size=max(1, E // 2), replace=False)
+        emap[np.sort(local)] = np.arange(local.size, dtype=np.int32)
+    ignore = expert_map_mode == "before"
+    P, M = mla.buffer_sizes(T * K, E, B)
+    host = [guarded([P], np), guarded([M], np), guarded([1], np)]
+    dev = [guarded([P], cupy), guarded([M], cupy), guarded([1], cupy)]
+    if scatter:
+        host.append(guarded([T * K], np))
+        dev.append(guarded([T * K], cupy))
+    ref = mla.moe_align_block_size(ids, B, E, emap, ignore_invalid_experts=ignore,
+                                   return_scatter_idx=scatter, out=[v for _, v in host])
+    got = mla.moe_align_block_size(cupy.asarray(ids), B, E,
+                                   None if emap is None else cupy.asarray(emap),
+                                   ignore_invalid_experts=ignore, return_scatter_idx=scatter,
+                                   deterministic=deterministic, variant=variant,
+                                   out=[v for _, v in dev])
+    assert got.sorted_token_ids is dev[0][1]
+    cupy.cuda.get_current_stream().synchronize()
+    starts = segment_starts(ids, E, B, expert_map=emap, map_before=ignore)
+    for (hw, hv), (dw, dv), name in zip(host, dev, ("sorted", "experts", "ntpp", "scatter")):
+        dw, dvh = dw.get(), dv.get()
+        assert (dw[:GUARD] == POISON).all() and (dw[-GUARD:] == POISON).all(), f"{name} guard"
+        if name == "sorted" and not deterministic:
+            np.testing.assert_array_equal(canonical(dvh[None], starts), canonical(hv[None], starts))
+        else:
+            np.testing.assert_array_equal(dvh, hv, err_msg=name)
+
+
+def _lora_case(E, T, variant, deterministic, salt, *, max_loras=None, with_ids=True,
+               disabled=1, allocate=False, use_map=False):
+    rng, K, B, dtype, kind = _case_params(E, T, salt)
+    if max_loras is None:
+        max_loras = (1, 4, 16)[(E + T + salt) % 3]
+    ids = make_routing(rng, T, K, E, dtype, kind)
+    mapping, lora_ids, enabled = make_lora(rng, T, max_loras, disabled=disabled)
+    if not with_ids:
+        lora_ids = None
+    emap = None
+    if use_map:
+        emap = np.full(E, -1, dtype=np.int32)
+        local = rng.choice(E, size=max(1, E // 2), replace=False)
+        emap[np.sort(local)] = np.arange(local.size, dtype=np.int32)
+    P, M = mla.buffer_sizes(T * K, E, B)
+    kwargs = dict(lora_ids=lora_ids, adapter_enabled=enabled, expert_map=emap)
+    dev_kwargs = {k: None if v is None else cupy.asarray(v) for k, v in kwargs.items()}
+    if allocate:
+        ref = mla.moe_lora_align_block_size(ids, mapping, B, E, max_loras, **kwargs)
+        got = mla.moe_lora_align_block_size(cupy.asarray(ids), cupy.asarray(mapping), B, E,
+                                            max_loras, deterministic=deterministic,
+                                            variant=variant, **dev_kwargs)
+        host_views = [np.asarray(a) for a in ref]
+        dev_views = [a.get() for a in got]
+        guards = []
+    else:
+        host = [guarded([max_loras, P], np), guarded([max_loras, M], np),
+                guarded([max_loras], np)]
+        dev = [guarded([max_loras, P], cupy), guarded([max_loras, M], cupy),
+               guarded([max_loras], cupy)]
+        mla.moe_lora_align_block_size(ids, mapping, B, E, max_loras, out=[v for _, v in host],
+                                      **kwargs)
+        mla.moe_lora_align_block_size(cupy.asarray(ids), cupy.asarray(mapping), B, E,
+                                      max_loras, deterministic=deterministic, variant=variant,
+                                      out=[v for _, v in dev], **dev_kwargs)
+        host_views = [v for _, v in host]
+        dev_views = [v.get() for _, v in dev]
+        guards = [w.get() for w, _ in dev]
+    cupy.cuda.get_current_stream().synchronize()
+    for g in guards:
+        assert (g[:GUARD] == POISON).all() and (g[-GUARD:] == POISON).all()
+    starts = segment_starts(ids, E, B, rows=max_loras, expert_map=emap, map_before=True,
+                            mapping=mapping, lora_ids=lora_ids, enabled=enabled)
+    if deterministic:
+        np.testing.assert_array_equal(dev_views[0], host_views[0])
+    else:
+        np.testing.assert_array_equal(canonical(dev_views[0], starts),
+                                      canonical(host_views[0], starts))
+    np.testing.assert_array_equal(dev_views[1], host_views[1])
+    np.testing.assert_array_equal(dev_views[2], host_views[2])
+
+
+GRID = list(itertools.product(EXPERTS, TOKENS))
+
+
+@pytest.mark.parametrize("variant", ["shared", "global"])
+@pytest.mark.parametrize("E,T", GRID)
+def test_base(E, T, variant):
+    _base_case(E, T, variant, False, salt=1)
+
+
+@pytest.mark.parametrize("variant", ["shared", "global"])
+@pytest.mark.parametrize("E,T", GRID)
+def test_base_deterministic(E, T, variant):
+    _base_case(E, T, variant, True, salt=2)
+
+
+@pytest.mark.parametrize("variant", ["shared", "global"])
+@pytest.mark.parametrize("E,T", GRID)
+def test_lora(E, T, variant):
+    if variant == "shared" and (1, 4, 16)[(E + T + 3) % 3] * E * 4 > 200_000:
+        pytest.skip("too many buckets for the shared variant (covered by the dispatcher test)")
+    _lora_case(E, T, variant, False, salt=3)
+
+
+@pytest.mark.parametrize("variant", ["shared", "global"])
+@pytest.mark.parametrize("E,T", GRID)
+def test_lora_deterministic(E, T, variant):
+    if variant == "shared" and (1, 4, 16)[(E + T + 4) % 3] * E * 4 > 200_000:
+        pytest.skip("too many buckets for the shared variant")
+    _lora_case(E, T, variant, True, salt=4)
+
+
+@pytest.mark.parametrize("mode", ["before", "after"])
+@pytest.mark.parametrize("variant", [None, "global"])
+@pytest.mark.parametrize("E,T", [(64, 3), (257, 255), (256, 4096), (64, 65536)])
+@pytest.mark.parametrize("det", [False, True])
+def test_base_expert_map_and_scatter(E, T, variant, mode, det):
+    _base_case(E, T, variant, det, salt=5, expert_map_mode=mode, scatter=True)
+
+
+@pytest.mark.parametrize("variant", [None, "global"])
+@pytest.mark.parametrize("E,T", [(64, 1), (128, 255), (256, 4096), (64, 65536)])
+@pytest.mark.parametrize("det", [False, True])
+def test_lora_allocated_map_and_no_ids(E, T, variant, det):
+    _lora_case(E, T, variant, det, salt=6, allocate=True, use_map=True, with_ids=False,
+               disabled=2, max_loras=4)
+
+
+@pytest.mark.parametrize("E,T,max_loras", [(256, 16, 16), (4096, 4096, 16), (1024, 255, 64)])
+def test_lora_many_buckets_go_global(E, T, max_loras):
+    """max_loras * E >= 65536 buckets: only the global variant can count them."""
+    _lora_case(E, T, None, False, salt=7, max_loras=max_loras)
+    _lora_case(E, T, None, True, salt=8, max_loras=max_loras)
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.int16, np.uint8, np.uint16, np.uint32, np.uint64])
+def test_other_dtypes(dtype):
+    rng = np.random.default_rng(11)
+    E = 7 if np.dtype(dtype).itemsize == 1 else 300
+    ids = make_routing(rng, 300, 4, E, dtype, "invalid")
+    ref = mla.moe_align_block_size(ids, 16, E, deterministic=True)
+    got = mla.moe_align_block_size(cupy.asarray(ids), 16, E, deterministic=True)
+    for a, b in zip(got, ref):
+        np.testing.assert_array_equal(a.get(), b)
+
+
+@pytest.mark.parametrize("T", [255, 65536])
+@pytest.mark.parametrize("variant", ["shared", "global"])
+def test_deterministic_is_bit_identical(T, variant):
+    rng = np.random.default_rng(12)
+    ids = cupy.asarray(make_routing(rng, T, 8, 64, np.int32, "hot"))
+    first = mla.moe_align_block_size(ids, 64, 64, deterministic=True, variant=variant)
+    for _ in range(3):
+        again = mla.moe_align_block_size(ids, 64, 64, deterministic=True, variant=variant)
+        for a, b in zip(first, again):
+            assert bool((a == b).all())
+
+
+def test_zero_tokens_allocated():
+    ids = cupy.zeros((0, 8), dtype=cupy.int32)
+    base = mla.moe_align_block_size(ids, 16, 64)
+    assert base.sorted_token_ids.size == 0 and int(base.num_tokens_post_pad[0]) == 0
+    lora = mla.moe_lora_align_block_size(ids, cupy.zeros(0, dtype=cupy.int32), 16, 64, 4)
+    assert lora.num_tokens_post_pad.get().tolist() == [0, 0, 0, 0]
+
+
+def test_all_routes_to_one_expert_large():
+    ids = cupy.full((65536, 8), 3, dtype=cupy.int32)
+    got = mla.moe_align_block_size(ids, 64, 256)
+    assert int(got.num_tokens_post_pad[0]) == 65536 * 8
+    s = got.sorted_token_ids.get()
+    assert np.array_equal(np.sort(s[: 65536 * 8]), np.arange(65536 * 8))
+    assert (got.expert_ids.get()[: 65536 * 8 // 64] == 3).all()
+
+
+def test_torch_interop():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(13)
+    ids = make_routing(rng, 100, 8, 64, np.int64)
+    t = torch.as_tensor(ids, device="cuda")
+    got = mla.moe_align_block_size(t, 16, 64, deterministic=True)
+    assert isinstance(got.sorted_token_ids, torch.Tensor) and got.sorted_token_ids.is_cuda
+    ref = mla.moe_align_block_size(ids, 16, 64)
+    torch.cuda.synchronize()
+    for a, b in zip(got, ref):
+        np.testing.assert_array_equal(a.cpu().numpy(), b)
+
+
+def test_mixed_host_and_device_is_an_error():
+    ids = cupy.zeros((4, 2), dtype=cupy.int32)
+    with pytest.raises(ValueError, match="host"):
+        mla.moe_lora_align_block_size(ids, np.zeros(4, np.int32), 16, 8, 2)
+
+
+def test_device_value_validation_on_request():
+    ids = cupy.zeros((4, 2), dtype=cupy.int32)
+    bad = cupy.asarray(np.array([0, 5, 0, 0], np.int32))
+    with pytest.raises(ValueError, match="token_lora_mapping"):
+        mla.moe_lora_align_block_size(ids, bad, 16, 8, 2, validate=True)
+    # Without validation the out-of-range slot is dropped, nothing is written out of bounds.
+    got = mla.moe_lora_align_block_size(ids, bad, 16, 8, 2)
+    ref = mla.moe_lora_align_block_size(np.zeros((4, 2), np.int32),
+                                        np.array([0, -1, 0, 0], np.int32), 16, 8, 2)
+    for a, b in zip(got, ref):
+        np.testing.assert_array_equal(a.get(), b)

@@ -1,0 +1,226 @@
+"""Base + LoRA together: the fused launch, the two-stream fork/join, stream order, AlignPlan and
+CUDA graph capture (GPU only)."""
+
+import numpy as np
+import pytest
+
+import moe_lora_align as mla
+from gpu_util import canonical, cupy, make_lora, make_routing, requires_gpu, segment_starts
+
+pytestmark = [requires_gpu, pytest.mark.gpu]
+
+SIZES = [  # (tokens, experts, topk, block, max_loras): decode and prefill
+    (1, 64, 8, 16, 4), (255, 256, 8, 16, 16), (4096, 128, 4, 64, 4), (16384, 256, 8, 64, 16)]
+
+
+def _inputs(T, E, K, max_loras, seed=0):
+    rng = np.random.default_rng(seed)
+    ids = make_routing(rng, T, K, E, np.int32, "uniform")
+    mapping, lora_ids, enabled = make_lora(rng, T, max_loras, disabled=1)
+    return ids, mapping, lora_ids, enabled
+
+
+def _expect(ids, mapping, lora_ids, enabled, B, E, max_loras):
+    base = mla.moe_align_block_size(ids, B, E)
+    lora = mla.moe_lora_align_block_size(ids, mapping, B, E, max_loras, lora_ids=lora_ids,
+                                         adapter_enabled=enabled)
+    return base, lora
+
+
+def _check(got_base, got_lora, ids, mapping, lora_ids, enabled, B, E, max_loras):
+    base, lora = _expect(ids, mapping, lora_ids, enabled, B, E, max_loras)
+    sb = segment_starts(ids, E, B)
+    sl = segment_starts(ids, E, B, rows=max_loras, mapping=mapping, lora_ids=lora_ids,
+                        enabled=enabled)
+    g = [cupy.asnumpy(x) for x in got_base]
+    np.testing.assert_array_equal(canonical(g[0][None], sb), canonical(base[0][None], sb))
+    np.testing.assert_array_equal(g[1], base[1])
+    np.testing.assert_array_equal(g[2], base[2])
+    g = [cupy.asnumpy(x) for x in got_lora]
+    np.testing.assert_array_equal(canonical(g[0], sl), canonical(lora[0], sl))
+    np.testing.assert_array_equal(g[1], lora[1])
+    np.testing.assert_array_equal(g[2], lora[2])
+
+
+@pytest.mark.parametrize("streams", [None, "one", "two", "fused"])
+@pytest.mark.parametrize("T,E,K,B,L", SIZES)
+def test_together_equals_separate(T, E, K, B, L, streams):
+    ids, mapping, lora_ids, enabled = _inputs(T, E, K, L)
+    args = dict(lora_ids=cupy.asarray(lora_ids), adapter_enabled=cupy.asarray(enabled))
+    if streams == "fused" and T * K > mla._dispatch.SINGLE_BLOCK_MAX_ROUTES:
+        with pytest.raises(ValueError, match="fused"):
+            mla.align_moe_and_lora(cupy.asarray(ids), cupy.asarray(mapping), B, E, L,
+                                   streams=streams, **args)
+        return
+    base, lora = mla.align_moe_and_lora(cupy.asarray(ids), cupy.asarray(mapping), B, E, L,
+                                        streams=streams, **args)
+    cupy.cuda.get_current_stream().synchronize()
+    _check(base, lora, ids, mapping, lora_ids, enabled, B, E, L)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_together_deterministic_is_exact(deterministic):
+    T, E, K, B, L = 255, 64, 8, 16, 4
+    ids, mapping, lora_ids, enabled = _inputs(T, E, K, L, seed=3)
+    for streams in ("fused", "two", "one"):
+        base, lora = mla.align_moe_and_lora(cupy.asarray(ids), cupy.asarray(mapping), B, E, L,
+                                            lora_ids=cupy.asarray(lora_ids),
+                                            adapter_enabled=cupy.asarray(enabled),
+                                            streams=streams, deterministic=True)
+        rb, rl = _expect(ids, mapping, lora_ids, enabled, B, E, L)
+        for a, b in zip(list(base) + list(lora), list(rb) + list(rl)):
+            np.testing.assert_array_equal(cupy.asnumpy(a), b)
+
+
+_SPIN = None
+
+
+def _delayed_copy(src, dst, cycles):
+    """On the current stream: spin ~cycles, then copy src to dst (late producer/consumer)."""
+    global _SPIN
+    if _SPIN is None:
+        _SPIN = cupy.RawKernel(r'''
+        extern "C" __global__ void spin_copy(const int* src, int* dst, int n, long long cycles) {
+            long long t0 = clock64();
+            while (clock64() - t0 < cycles) { }
+            for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+                dst[i] = src[i];
+        }''', "spin_copy")
+    _SPIN((64,), (256,), (src, dst, np.int32(src.size), np.int64(cycles)))
+
+
+@pytest.mark.parametrize("streams", ["two", "fused", "one"])
+def test_caller_stream_order(streams):
+    """Work queued on a non-default caller stream before the call is seen by the alignment,
+    and work queued after it sees the results."""
+    T, E, K, B, L = (255, 64, 8, 16, 4) if streams == "fused" else (16384, 256, 8, 64, 16)
+    ids, mapping, lora_ids, enabled = _inputs(T, E, K, L, seed=5)
+    caller = cupy.cuda.Stream(non_blocking=True)
+    with caller:
+        src = cupy.asarray(ids)
+        d_ids = cupy.full_like(src, E + 1)  # all invalid until the late producer lands
+        d_map, d_lora, d_en = (cupy.asarray(x) for x in (mapping, lora_ids, enabled))
+        P, M = mla.buffer_sizes(T * K, E, B)
+        out_b = [cupy.zeros(P, np.int32), cupy.zeros(M, np.int32), cupy.zeros(1, np.int32)]
+        out_l = [cupy.zeros((L, P), np.int32), cupy.zeros((L, M), np.int32),
+                 cupy.zeros(L, np.int32)]
+        mla.align_moe_and_lora(d_ids, d_map, B, E, L, lora_ids=d_lora, adapter_enabled=d_en,
+                               out_base=out_b, out_lora=out_l)  # warm-up: compile, workspace
+        caller.synchronize()
+        _delayed_copy(src.reshape(-1), d_ids.reshape(-1), 20_000_000)
+        mla.align_moe_and_lora(d_ids, d_map, B, E, L, lora_ids=d_lora, adapter_enabled=d_en,
+                               out_base=out_b, out_lora=out_l, streams=streams)
+        seen_b = [cupy.empty_like(x) for x in out_b]
+        seen_l = [cupy.empty_like(x) for x in out_l]
+        for s, d in zip(out_b + out_l, seen_b + seen_l):
+            _delayed_copy(s.reshape(-1), d.reshape(-1), 0)
+    caller.synchronize()
+    _check(seen_b, seen_l, ids, mapping, lora_ids, enabled, B, E, L)
+
+
+# ---- AlignPlan -----------------------------------------------------------------------------
+def test_plan_reuse_across_sizes():
+    E, K, B, L = 128, 8, 64, 8
+    plan = mla.AlignPlan(8192, K, E, B, max_loras=L)
+    rng = np.random.default_rng(7)
+    for T in (8192, 1, 0, 3, 255, 4096, 17, 8192, 300):
+        ids = make_routing(rng, T, K, E, np.int32, "hot" if T % 2 else "uniform")
+        mapping, lora_ids, enabled = make_lora(rng, T, L, disabled=2)
+        base, lora = plan(cupy.asarray(ids), cupy.asarray(mapping),
+                          lora_ids=cupy.asarray(lora_ids), adapter_enabled=cupy.asarray(enabled))
+        cupy.cuda.get_current_stream().synchronize()
+        _check(base, lora, ids, mapping, lora_ids, enabled, B, E, L)
+
+
+def test_plan_rejects_inputs_beyond_it():
+    plan = mla.AlignPlan(64, 8, 32, 16)
+    with pytest.raises(ValueError, match="max_tokens"):
+        plan(cupy.zeros((65, 8), np.int32))
+    with pytest.raises(ValueError, match="topk"):
+        plan(cupy.zeros((4, 4), np.int32))
+    with pytest.raises(TypeError, match="int32"):
+        plan(cupy.zeros((4, 8), np.int64))
+    with pytest.raises(ValueError, match="GPU"):
+        plan(np.zeros((4, 8), np.int32))
+
+
+@pytest.mark.parametrize("streams", [None, "two", "one"])
+@pytest.mark.parametrize("T,E,K,B,L", [(64, 128, 8, 16, 4), (8192, 256, 8, 64, 16)])
+def test_plan_graph_capture_replays_new_inputs(T, E, K, B, L, streams):
+    plan = mla.AlignPlan(T, K, E, B, max_loras=L, streams=streams)
+    rng = np.random.default_rng(9)
+    ids, mapping, lora_ids, enabled = _inputs(T, E, K, L, seed=9)
+    d = [cupy.asarray(x) for x in (ids, mapping, lora_ids, enabled)]
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        plan(d[0], d[1], lora_ids=d[2], adapter_enabled=d[3], stream=stream)  # warm-up
+        stream.synchronize()
+        stream.begin_capture()
+        base, lora = plan(d[0], d[1], lora_ids=d[2], adapter_enabled=d[3], stream=stream)
+        graph = stream.end_capture()
+        for seed in (10, 11, 12):
+            ids, mapping, lora_ids, enabled = _inputs(T, E, K, L, seed=seed)
+            for dst, src in zip(d, (ids, mapping, lora_ids, enabled)):
+                dst.set(src, stream=stream)
+            base[0].fill(-5)  # poison between replays
+            lora[0].fill(-5)
+            graph.launch(stream)
+            stream.synchronize()
+            _check(base, lora, ids, mapping, lora_ids, enabled, B, E, L)
+
+
+def test_plan_base_only_graph_capture():
+    T, E, K, B = 256, 256, 8, 16
+    plan = mla.AlignPlan(T, K, E, B, deterministic=True)
+    rng = np.random.default_rng(21)
+    d_ids = cupy.asarray(make_routing(rng, T, K, E))
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        plan(d_ids, stream=stream)
+        stream.synchronize()
+        stream.begin_capture()
+        res = plan(d_ids, stream=stream)
+        graph = stream.end_capture()
+        ids = make_routing(rng, T, K, E)
+        d_ids.set(ids, stream=stream)
+        graph.launch(stream)
+        stream.synchronize()
+    ref = mla.moe_align_block_size(ids, B, E)
+    for a, b in zip(res, ref):
+        np.testing.assert_array_equal(cupy.asnumpy(a), b)
+
+
+def test_public_function_under_capture_points_to_the_plan():
+    ids = cupy.zeros((16, 8), np.int32)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        mla.moe_align_block_size(ids, 16, 64)
+        stream.synchronize()
+        stream.begin_capture()
+        try:
+            with pytest.raises(RuntimeError, match="AlignPlan"):
+                mla.moe_align_block_size(ids, 16, 64)
+        finally:
+            stream.end_capture()
+
+
+def test_public_function_with_out_buffers_captures():
+    T, E, K, B = 4096, 64, 8, 64
+    rng = np.random.default_rng(31)
+    d_ids = cupy.asarray(make_routing(rng, T, K, E))
+    P, M = mla.buffer_sizes(T * K, E, B)
+    out = [cupy.empty(P, np.int32), cupy.empty(M, np.int32), cupy.empty(1, np.int32)]
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        mla.moe_align_block_size(d_ids, B, E, out=out, deterministic=True)
+        stream.synchronize()
+        stream.begin_capture()
+        mla.moe_align_block_size(d_ids, B, E, out=out, deterministic=True)
+        graph = stream.end_capture()
+        ids = make_routing(rng, T, K, E)
+        d_ids.set(ids, stream=stream)
+        graph.launch(stream)
+        stream.synchronize()
+    ref = mla.moe_align_block_size(ids, B, E)
+    for a, b in zip(out, ref):
+        np.testing.assert_array_equal(cupy.asnumpy(a), b)
