@@ -14,7 +14,7 @@ ITEMS_PER_THREAD = 4          # kernels/align_kernels.cu: ITEMS_PER_THREAD
 SINGLE_BLOCK_MAX_ROUTES = BLOCK * ITEMS_PER_THREAD
 WARP_COUNTER_MAX = 65535      # unsigned short per-warp counters bound a deterministic chunk
 CHUNK_MATRIX_BUDGET = 1 << 18  # entries of the deterministic [chunks, buckets] prefix matrix
-SMEM_SLACK = 64               # bytes kept free for alignment of the dynamic layout
+SMEM_SLACK = 512              # bytes kept for static shared memory and layout alignment
 
 VARIANTS = ("shared", "global")
 

@@ -86,7 +86,8 @@ class KernelSet:
             self.kernels = {}
             for key, name in self.names.items():
                 k = module.get_function(name)
-                k.max_dynamic_shared_size_bytes = smem_optin
+                # The opt-in limit covers static shared memory too.
+                k.max_dynamic_shared_size_bytes = smem_optin - k.shared_size_bytes
                 self.kernels[key] = k
 
     def __getitem__(self, key):

@@ -310,6 +310,10 @@ def align_moe_and_lora(topk_ids, token_lora_mapping, block_size, num_experts, ma
     if base.where == _interop.HOST:
         if streams is not None and streams not in ("fused", "one", "two"):
             raise ValueError(f"streams must be 'fused', 'one', 'two' or None, got {streams!r}")
+        from ._dispatch import VARIANTS
+
+        if variant is not None and variant not in VARIANTS:
+            raise ValueError(f"variant must be one of {VARIANTS} or None, got {variant!r}")
         run_on_host(base.job)
         run_on_host(lora.job)
     else:
