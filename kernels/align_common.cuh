@@ -91,27 +91,48 @@ __device__ __forceinline__ int route_bucket(const Problem& p, int i, const unsig
   return e;
 }
 
-// Warp-aggregated counter update: lanes with the same bucket elect one leader that adds their
-// number to counter[bucket]; each lane gets old value + its rank among its peers (lane order).
-// ATOMIC=false is for counters only this warp touches (deterministic per-warp counts).
-// Every lane of the warp must call it; inactive lanes pass bucket < 0 and get -1.
-template <bool ATOMIC, typename CounterT>
-__device__ __forceinline__ int warp_claim(CounterT* counter, int bucket) {
-  if (!ATOMIC) __syncwarp();  // orders the previous step's leader writes before these reads
+// atomicAdd returning the old value, for int counters and for unsigned short counters (added
+// through their 4-byte word; counts stay below 65536 so the low half never carries over).
+__device__ __forceinline__ int atomic_add_count(int* counter, int idx, int n) {
+  return atomicAdd(counter + idx, n);
+}
+__device__ __forceinline__ int atomic_add_count(unsigned short* counter, int idx, int n) {
+  unsigned* word = reinterpret_cast<unsigned*>(counter) + (idx >> 1);
+  const int shift = (idx & 1) * 16;
+  return (int)((atomicAdd(word, (unsigned)n << shift) >> shift) & 0xffffu);
+}
+
+// Counter update that returns each lane its slot: counter[bucket] += 1, old value back.
+// Lanes sharing the bucket of the warp's first active lane are folded into one atomic (all
+// routes of a skewed batch hit one counter); the others add on their own. The order among
+// lanes of one bucket is whatever the hardware picks: use claim_in_lane_order for ranks that
+// must follow the flat index. Every lane of the warp must call it; bucket < 0 is inactive.
+template <typename CounterT>
+__device__ __forceinline__ int claim(CounterT* counter, int bucket) {
+  const unsigned active = __ballot_sync(MLA_FULL_MASK, bucket >= 0);
+  if (active == 0) return -1;
+  const int first = __ffs(active) - 1;
+  const int lead = __shfl_sync(MLA_FULL_MASK, bucket, first);
+  const unsigned same = __ballot_sync(MLA_FULL_MASK, bucket == lead);
+  int base = 0;
+  if ((int)(threadIdx.x & 31) == first) base = atomic_add_count(counter, lead, __popc(same));
+  base = __shfl_sync(MLA_FULL_MASK, base, first);
+  if (bucket == lead) return base + __popc(same & lanemask_lt());
+  return bucket >= 0 ? atomic_add_count(counter, bucket, 1) : -1;
+}
+
+// Ranks in lane order for counters only this warp touches (deterministic mode): lanes with
+// the same bucket elect the lowest as leader, which reads the counter and adds their number.
+__device__ __forceinline__ int claim_in_lane_order(unsigned short* counter, int bucket) {
+  __syncwarp();  // orders the previous step's leader writes before these reads
   const unsigned active = __ballot_sync(MLA_FULL_MASK, bucket >= 0);
   if (bucket < 0) return -1;
   const unsigned peers = __match_any_sync(active, bucket);
   const int leader = __ffs(peers) - 1;
-  const int lane = threadIdx.x & 31;
   int base = 0;
-  if (lane == leader) {
-    const int n = __popc(peers);
-    if (ATOMIC) {
-      base = atomicAdd(reinterpret_cast<int*>(counter) + bucket, n);
-    } else {
-      base = (int)counter[bucket];
-      counter[bucket] = (CounterT)(base + n);
-    }
+  if ((int)(threadIdx.x & 31) == leader) {
+    base = counter[bucket];
+    counter[bucket] = (unsigned short)(base + __popc(peers));
   }
   base = __shfl_sync(peers, base, leader);
   return base + __popc(peers & lanemask_lt());
@@ -123,22 +144,12 @@ __device__ void fill_rows(const Problem& p, const unsigned char* processed, int*
                           int len, int value, int tid, int nthreads) {
   const bool vec = ((pitch & 3) == 0) && ((reinterpret_cast<unsigned long long>(base) & 15) == 0);
   const int nvec = vec ? (len >> 2) : 0;
-  if (nvec > 0) {
-    const int4 v = make_int4(value, value, value, value);
-    const int total = p.rows * nvec;
-    for (int k = tid; k < total; k += nthreads) {
-      const int r = k / nvec;
-      if (row_written(p, processed, r))
-        reinterpret_cast<int4*>(base + (long long)r * pitch)[k - r * nvec] = v;
-    }
-  }
-  const int tail = len - 4 * nvec;
-  if (tail > 0) {
-    const int total = p.rows * tail;
-    for (int k = tid; k < total; k += nthreads) {
-      const int r = k / tail;
-      if (row_written(p, processed, r)) base[(long long)r * pitch + 4 * nvec + (k - r * tail)] = value;
-    }
+  const int4 v = make_int4(value, value, value, value);
+  for (int r = 0; r < p.rows; ++r) {
+    if (!row_written(p, processed, r)) continue;
+    int* row = base + (long long)r * pitch;
+    for (int k = tid; k < nvec; k += nthreads) reinterpret_cast<int4*>(row)[k] = v;
+    for (int k = 4 * nvec + tid; k < len; k += nthreads) row[k] = value;
   }
 }
 
@@ -197,22 +208,23 @@ __device__ __forceinline__ int owning_bucket(const int* starts, int lo, int hi, 
 __device__ void write_expert_ids(const Problem& p, const unsigned char* processed, const int* starts,
                                  int tid, int nthreads) {
   const int E = p.num_experts, M = p.num_tiles;
-  const int total_tiles = p.rows * M;
-  for (int k = tid; k < total_tiles; k += nthreads) {
-    const int r = k / M, t = k - r * M;
-    int value = -1;
-    if (processed[r]) {
-      const int row_base = starts[r * E];
-      const long long pos = (long long)t * p.block_size;
-      if (pos < (long long)(starts[r * E + E] - row_base)) {
-        int e = owning_bucket(starts, r * E, r * E + E, row_base + (int)pos) - r * E;
-        if (p.map_mode == 2) e = p.expert_map[e];
-        value = e;
-      }
-    } else if (!p.fill_unprocessed) {
+  for (int r = 0; r < p.rows; ++r) {
+    if (!row_written(p, processed, r)) continue;
+    int* row = p.expert_ids + (long long)r * p.expert_pitch;
+    if (!processed[r]) {
+      for (int t = tid; t < M; t += nthreads) row[t] = -1;
       continue;
     }
-    p.expert_ids[(long long)r * p.expert_pitch + t] = value;
+    const int row_base = starts[r * E];
+    const int used = (starts[r * E + E] - row_base) / p.block_size;  // tiles holding routes
+    for (int t = tid; t < M; t += nthreads) {
+      int value = -1;
+      if (t < used) {
+        value = owning_bucket(starts, r * E, r * E + E, row_base + t * p.block_size) - r * E;
+        if (p.map_mode == 2) value = p.expert_map[value];
+      }
+      row[t] = value;
+    }
   }
 }
 

@@ -19,20 +19,21 @@ extern __shared__ __align__(16) unsigned char dynamic_smem[];
 
 // ---------------------------------------------------------------------------------------------
 // Single block: count, scan, place and fill in one launch (decode sizes).
-// Shared memory: starts[nb + 1] ints | DET: warp_counts[nwarps * nb] ushort | processed[rows].
+// Shared memory: starts[nb + 1] ints | DET: warp_counts[nwarps * stride] ushort, stride = nb
+// rounded up to even (4-byte aligned rows) | processed[rows].
 template <typename IdT, bool DET>
 __device__ void align_in_one_block(const Problem& p) {
   __shared__ int warp_sums[32];
-  const int nb = num_buckets(p), nwarps = blockDim.x >> 5;
+  const int nb = num_buckets(p), nwarps = blockDim.x >> 5, stride = (nb + 1) & ~1;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   int* starts = reinterpret_cast<int*>(dynamic_smem);
   unsigned short* warp_counts = reinterpret_cast<unsigned short*>(starts + nb + 1);
-  unsigned char* processed =
-      reinterpret_cast<unsigned char*>(DET ? (void*)(warp_counts + nwarps * nb) : (void*)(starts + nb + 1));
+  unsigned char* processed = reinterpret_cast<unsigned char*>(
+      DET ? (void*)(warp_counts + nwarps * stride) : (void*)(starts + nb + 1));
 
   for (int b = threadIdx.x; b < nb; b += blockDim.x) starts[b] = 0;
   if (DET)
-    for (int k = threadIdx.x; k < nwarps * nb; k += blockDim.x) warp_counts[k] = 0;
+    for (int k = threadIdx.x; k < nwarps * stride; k += blockDim.x) warp_counts[k] = 0;
   mark_processed_rows(p, processed);
   fill_rows(p, processed, p.sorted_ids, p.sorted_pitch, p.padded_len, p.numel, threadIdx.x, blockDim.x);
 
@@ -43,7 +44,7 @@ __device__ void align_in_one_block(const Problem& p) {
       const int i = j * blockDim.x + threadIdx.x;
       bucket[j] = i < p.numel ? route_bucket<IdT>(p, i, processed) : -1;
       if (p.scatter_idx != nullptr && i < p.numel) p.scatter_idx[i] = bucket[j] >= 0 ? i : -1;
-      rank[j] = warp_claim<true>(starts, bucket[j]);
+      rank[j] = claim(starts, bucket[j]);
     }
     __syncthreads();
     scan_padded_counts(nb, p.block_size, [&](int b) { return starts[b]; }, starts, warp_sums);
@@ -55,19 +56,19 @@ __device__ void align_in_one_block(const Problem& p) {
     // Warp w owns a contiguous run of routes; its counters give ranks in flat-index order.
     const int per_warp = ((p.numel + nwarps - 1) / nwarps + 31) & ~31;
     const int lo = min(p.numel, warp * per_warp), hi = min(p.numel, lo + per_warp);
-    unsigned short* mine = warp_counts + warp * nb;
+    unsigned short* mine = warp_counts + warp * stride;
     for (int base = lo; base < hi; base += 32) {
       const int i = base + lane;
       const int b = i < hi ? route_bucket<IdT>(p, i, processed) : -1;
       if (p.scatter_idx != nullptr && i < hi) p.scatter_idx[i] = b >= 0 ? i : -1;
-      warp_claim<false>(mine, b);
+      claim(mine, b);  // totals only: order does not matter here
     }
     __syncthreads();
     for (int b = threadIdx.x; b < nb; b += blockDim.x) {
       int run = 0;
       for (int w = 0; w < nwarps; ++w) {
-        const int c = warp_counts[w * nb + b];
-        warp_counts[w * nb + b] = (unsigned short)run;
+        const int c = warp_counts[w * stride + b];
+        warp_counts[w * stride + b] = (unsigned short)run;
         run += c;
       }
       starts[b] = run;
@@ -77,7 +78,7 @@ __device__ void align_in_one_block(const Problem& p) {
     for (int base = lo; base < hi; base += 32) {
       const int i = base + lane;
       const int b = i < hi ? route_bucket<IdT>(p, i, processed) : -1;
-      const int rank = warp_claim<false>(mine, b);
+      const int rank = claim_in_lane_order(mine, b);
       if (b >= 0) p.sorted_ids[output_index(p, starts, b, rank)] = i;
     }
   }
@@ -126,10 +127,10 @@ __global__ void align_count(const Problem p) {
     int b = i < c1 ? route_bucket<IdT>(p, i, processed) : -1;
     if (p.scatter_idx != nullptr && i < c1 && lo_b == 0) p.scatter_idx[i] = b >= 0 ? i : -1;
     if (MODE == MODE_GLOBAL) {
-      warp_claim<true>(p.counts, b);
+      claim(p.counts, b);
     } else {
       if (MODE == MODE_DETERMINISTIC) b = (b >= lo_b && b < hi_b) ? b - lo_b : -1;
-      warp_claim<true>(hist, b);
+      claim(hist, b);
     }
   }
   __syncthreads();
@@ -200,7 +201,7 @@ __global__ void align_place(const Problem p) {
     for (int j = 0; j < ITEMS_PER_THREAD; ++j) {
       const int i = c0 + j * blockDim.x + threadIdx.x;
       bucket[j] = i < c1 ? route_bucket<IdT>(p, i, processed) : -1;
-      rank[j] = warp_claim<true>(hist, bucket[j]);
+      rank[j] = claim(hist, bucket[j]);
     }
     __syncthreads();
     // One global reservation per (block, bucket): the block's routes take a contiguous range.
@@ -217,7 +218,7 @@ __global__ void align_place(const Problem p) {
     for (int base = c0 + warp * 32; base < c1; base += blockDim.x) {
       const int i = base + lane;
       const int b = i < c1 ? route_bucket<IdT>(p, i, processed) : -1;
-      const int pos = warp_claim<true>(p.cursor, b);
+      const int pos = claim(p.cursor, b);
       if (b >= 0) p.sorted_ids[(long long)(b / E) * p.sorted_pitch + pos] = i;
     }
   } else {
@@ -232,7 +233,7 @@ __global__ void align_place(const Problem p) {
       const int i = base + lane;
       int b = i < hi ? route_bucket<IdT>(p, i, processed) : -1;
       b = (b >= lo_b && b < hi_b) ? b - lo_b : -1;
-      warp_claim<false>(mine, b);
+      claim(mine, b);  // totals only: order does not matter here
     }
     __syncthreads();
     for (int lb = threadIdx.x; lb < width; lb += blockDim.x) {
@@ -250,7 +251,7 @@ __global__ void align_place(const Problem p) {
       const int i = base + lane;
       int b = i < hi ? route_bucket<IdT>(p, i, processed) : -1;
       b = (b >= lo_b && b < hi_b) ? b - lo_b : -1;
-      const int rank = warp_claim<false>(mine, b);
+      const int rank = claim_in_lane_order(mine, b);
       if (b >= 0)
         p.sorted_ids[(long long)((lo_b + b) / E) * p.sorted_pitch + offsets[b] + rank] = i;
     }

@@ -70,7 +70,7 @@ def _single_block(numel, num_buckets, rows, deterministic, limits):
         return Launch("shared", "single", False, BLOCK, smem_single=base)
     # Deterministic: one unsigned short counter per (warp, bucket); fewer warps if they don't fit.
     for warps in (32, 16, 8, 4):
-        smem = base + 2 * warps * num_buckets
+        smem = base + 2 * warps * (num_buckets + (num_buckets & 1))
         if smem <= limits.smem_optin:
             return Launch("shared", "single", True, 32 * warps, smem_single=smem)
     return None
@@ -140,7 +140,9 @@ def choose_pair(numel: int, base_buckets: int, lora_buckets: int, rows: int,
         return None
     block = min(base.block, lora.block)
     warps = block // 32
-    smem = max(4 * (base_buckets + 1) + 1 + (2 * warps * base_buckets if deterministic else 0),
-               4 * (lora_buckets + 1) + rows + (2 * warps * lora_buckets if deterministic else 0))
+    even = lambda n: n + (n & 1)  # noqa: E731  (per-warp counter rows are 4-byte aligned)
+    smem = max(4 * (base_buckets + 1) + 1 + (2 * warps * even(base_buckets) if deterministic else 0),
+               4 * (lora_buckets + 1) + rows + (2 * warps * even(lora_buckets) if deterministic
+                                                else 0))
     return Launch("shared", "single", deterministic, block, grid=2,
                   smem_single=smem + SMEM_SLACK)

@@ -36,6 +36,15 @@ if [ "$MODE" != "bench" ]; then
   echo "racecheck rc=${PIPESTATUS[0]}"
 fi
 
+if [ -n "${PROFILE:-}" ]; then
+  step "ncu profile"
+  timeout 180 ncu --clock-control none --profile-from-start off --section SpeedOfLight \
+    --section WarpStateStats --section LaunchStats -k regex:align \
+    python3 scripts/profile_kernels.py > "$OUT/ncu.txt" 2>&1
+  echo "ncu rc=$?"
+  grep -E "^  align|Duration|Memory Throughput|Registers Per|Stall|Warp Cycles Per Issued" "$OUT/ncu.txt" | head -80
+fi
+
 if [ "$MODE" != "test" ]; then
   step "benchmark ($MODE)"
   BENCH_ARGS="--json $OUT/bench.json --table $OUT/bench.txt --plot $OUT/bench.png"

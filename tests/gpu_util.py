@@ -44,9 +44,7 @@ def make_routing(rng, tokens, topk, num_experts, dtype=np.int32, kind="uniform")
         mask = rng.random(ids.shape) < 0.2
         bad = rng.choice([-1, num_experts, num_experts + 5], size=ids.shape)
         ids = np.where(mask, bad, ids)
-    if np.dtype(dtype).kind == "u":
-        ids = np.where(ids < 0, np.iinfo(dtype).max, ids)
-    return ids.astype(dtype)
+    return ids.astype(dtype)  # negative ids wrap to huge unsigned values: still invalid
 
 
 def make_lora(rng, tokens, max_loras, *, base_fraction=0.15, disabled=0):

@@ -39,6 +39,8 @@ def test_every_kernel_compiles_without_spills(arch, dtype):
     mangled = obj.symbol_mapping if hasattr(obj, "symbol_mapping") else None
     if mangled is not None:
         assert set(mangled) == set(names.values())
+    if "ptxas info" not in log:
+        pytest.skip("this cuda.core build returned no ptxas log: spills not checked")
     props = _PROPS.findall(log)
     assert len(props) == len(names), log
     for fn, stack, spill_st, spill_ld in props:
