@@ -39,7 +39,7 @@ struct Problem {
   int chunk;                    // routes per chunk (multi-block kernels)
   int range_width;              // buckets per block (deterministic multi-block kernels)
   int ranges;                   // bucket ranges per chunk (deterministic multi-block kernels)
-  int pad_;
+  int starts_in_smem;           // place kernel: copy starts to shared memory for the tile search
 };
 
 __device__ __forceinline__ int num_buckets(const Problem& p) { return p.rows * p.num_experts; }
@@ -54,41 +54,75 @@ __device__ __forceinline__ bool adapter_on(const Problem& p, int slot) {
   return p.adapter_enabled == nullptr || p.adapter_enabled[slot] != 0;
 }
 
-// processed[r] = 1 for every row this call aligns. Rows outside lora_ids or disabled stay 0.
+// Shared bytes of the per-row region at the start of every kernel's dynamic shared memory:
+// processed[rows] flags, then the slot list (first rows + 1 entries of lora_ids).
+// Mirrors moe_lora_align/_dispatch.py: row_region_bytes.
+__device__ __forceinline__ int row_region_bytes(int rows) {
+  return ((((rows + 3) & ~3) + 4 * (rows + 1)) + 15) & ~15;
+}
+
+// processed[r] = 1 for every row this call aligns: listed in lora_ids (or no list) and
+// enabled. Both arrays are read in one round trip; the list is then searched in shared memory.
 __device__ void mark_processed_rows(const Problem& p, unsigned char* processed) {
-  for (int r = threadIdx.x; r < p.rows; r += blockDim.x)
-    processed[r] = (p.lora_ids == nullptr && adapter_on(p, r)) ? 1 : 0;
-  __syncthreads();
-  if (p.lora_ids != nullptr) {
-    for (int j = threadIdx.x; j < p.lora_ids_len; j += blockDim.x) {
-      const int s = p.lora_ids[j];
-      if (s >= 0 && s < p.rows && adapter_on(p, s)) processed[s] = 1;
-    }
+  int* slots = reinterpret_cast<int*>(processed + ((p.rows + 3) & ~3));
+  const int listed = p.lora_ids == nullptr ? 0 : min(p.lora_ids_len, p.rows + 1);
+  for (int k = threadIdx.x; k < max(p.rows, listed); k += blockDim.x) {
+    const bool on = k < p.rows && adapter_on(p, k);
+    if (k < listed) slots[k] = p.lora_ids[k];
+    if (k < p.rows) processed[k] = on;
   }
   __syncthreads();
+  if (listed > 0) {
+    for (int r = threadIdx.x; r < p.rows; r += blockDim.x) {
+      bool found = false;
+      for (int j = 0; j < listed; ++j) found |= slots[j] == r;
+      processed[r] = processed[r] && found;
+    }
+    __syncthreads();
+  }
 }
 
 __device__ __forceinline__ bool row_written(const Problem& p, const unsigned char* processed, int r) {
   return processed[r] || p.fill_unprocessed;
 }
 
-// Bucket of route i, or -1 when the route is dropped (invalid id, non-local expert, base-model
-// token, slot not processed). Never reads outside the arrays whatever their values.
+// A route as loaded from global memory: its id and its token's slot. Loading every route of
+// a thread first and classifying afterwards keeps all the loads in flight at once.
+struct Route {
+  long long id;
+  int slot;
+};
+
 template <typename IdT>
-__device__ __forceinline__ int route_bucket(const Problem& p, int i, const unsigned char* processed) {
-  const long long v = (long long)static_cast<const IdT*>(p.topk_ids)[i];
-  if (v < 0 || v >= p.num_experts) return -1;
-  int e = (int)v;
+__device__ __forceinline__ Route load_route(const Problem& p, int i, int end) {
+  Route r{-1, 0};
+  if (i < end) {
+    r.id = (long long)static_cast<const IdT*>(p.topk_ids)[i];
+    if (p.token_slot != nullptr) r.slot = p.token_slot[i / p.topk];
+  }
+  return r;
+}
+
+// Bucket of a route, or -1 when it is dropped (invalid id, non-local expert, base-model
+// token, slot not processed). Never reads outside the arrays whatever their values.
+__device__ __forceinline__ int bucket_of(const Problem& p, Route r, const unsigned char* processed) {
+  if (r.id < 0 || r.id >= p.num_experts) return -1;
+  int e = (int)r.id;
   if (p.map_mode == 1) {
     e = p.expert_map[e];
     if (e < 0 || e >= p.num_experts) return -1;
   }
   if (p.token_slot != nullptr) {
-    const int s = p.token_slot[i / p.topk];
-    if (s < 0 || s >= p.rows || !processed[s]) return -1;
-    return s * p.num_experts + e;
+    if (r.slot < 0 || r.slot >= p.rows || !processed[r.slot]) return -1;
+    return r.slot * p.num_experts + e;
   }
   return e;
+}
+
+template <typename IdT>
+__device__ __forceinline__ int route_bucket(const Problem& p, int i, int end,
+                                            const unsigned char* processed) {
+  return bucket_of(p, load_route<IdT>(p, i, end), processed);
 }
 
 // atomicAdd returning the old value, for int counters and for unsigned short counters (added
@@ -144,12 +178,22 @@ __device__ void fill_rows(const Problem& p, const unsigned char* processed, int*
                           int len, int value, int tid, int nthreads) {
   const bool vec = ((pitch & 3) == 0) && ((reinterpret_cast<unsigned long long>(base) & 15) == 0);
   const int nvec = vec ? (len >> 2) : 0;
-  const int4 v = make_int4(value, value, value, value);
-  for (int r = 0; r < p.rows; ++r) {
-    if (!row_written(p, processed, r)) continue;
-    int* row = base + (long long)r * pitch;
-    for (int k = tid; k < nvec; k += nthreads) reinterpret_cast<int4*>(row)[k] = v;
-    for (int k = 4 * nvec + tid; k < len; k += nthreads) row[k] = value;
+  if (nvec > 0) {
+    const int4 v = make_int4(value, value, value, value);
+    const int total = p.rows * nvec;
+    for (int k = tid; k < total; k += nthreads) {
+      const int r = k / nvec;
+      if (row_written(p, processed, r))
+        reinterpret_cast<int4*>(base + (long long)r * pitch)[k - r * nvec] = v;
+    }
+  }
+  const int tail = len - 4 * nvec;
+  if (tail > 0) {
+    const int total = p.rows * tail;
+    for (int k = tid; k < total; k += nthreads) {
+      const int r = k / tail;
+      if (row_written(p, processed, r)) base[(long long)r * pitch + 4 * nvec + (k - r * tail)] = value;
+    }
   }
 }
 
@@ -204,27 +248,25 @@ __device__ __forceinline__ int owning_bucket(const int* starts, int lo, int hi, 
   return lo;
 }
 
-// expert_ids of every written row, from the padded scan `starts` (all rows concatenated).
+// expert_ids of every written row, from the padded scan `starts` (all rows concatenated;
+// shared memory where it fits, else global).
 __device__ void write_expert_ids(const Problem& p, const unsigned char* processed, const int* starts,
                                  int tid, int nthreads) {
   const int E = p.num_experts, M = p.num_tiles;
-  for (int r = 0; r < p.rows; ++r) {
+  const int total_tiles = p.rows * M;
+  for (int k = tid; k < total_tiles; k += nthreads) {
+    const int r = k / M, t = k - r * M;
     if (!row_written(p, processed, r)) continue;
-    int* row = p.expert_ids + (long long)r * p.expert_pitch;
-    if (!processed[r]) {
-      for (int t = tid; t < M; t += nthreads) row[t] = -1;
-      continue;
-    }
-    const int row_base = starts[r * E];
-    const int used = (starts[r * E + E] - row_base) / p.block_size;  // tiles holding routes
-    for (int t = tid; t < M; t += nthreads) {
-      int value = -1;
-      if (t < used) {
-        value = owning_bucket(starts, r * E, r * E + E, row_base + t * p.block_size) - r * E;
+    int value = -1;
+    if (processed[r]) {
+      const int row_base = starts[r * E];
+      const long long pos = (long long)t * p.block_size;
+      if (pos < (long long)(starts[r * E + E] - row_base)) {
+        value = owning_bucket(starts, r * E, r * E + E, row_base + (int)pos) - r * E;
         if (p.map_mode == 2) value = p.expert_map[value];
       }
-      row[t] = value;
     }
+    p.expert_ids[(long long)r * p.expert_pitch + t] = value;
   }
 }
 

@@ -6,31 +6,57 @@
 //   MODE_DETERMINISTIC (2) chunk x bucket-range blocks with per-warp counters, so ranks follow
 //                          the flat route index and the output is bit-identical run to run.
 // Every kernel is templated on the route-id type IdT and serves base and LoRA alignment alike.
+// Dynamic shared memory starts with the per-row region (row_region_bytes); what follows is
+// listed above each kernel and mirrored by moe_lora_align/_dispatch.py.
 #include "align_common.cuh"
 
 #define MODE_SHARED 0
 #define MODE_GLOBAL 1
 #define MODE_DETERMINISTIC 2
 
-// Routes per thread kept in registers by the non-deterministic kernels.
+// Routes per thread kept in registers by the non-deterministic kernels (one load group).
 #define ITEMS_PER_THREAD 4
 
 extern __shared__ __align__(16) unsigned char dynamic_smem[];
 
+// Visit routes first, first + step, ... below `end` in groups of ITEMS_PER_THREAD whose loads
+// are all issued before any is visited. `first - lane` is warp-uniform, so every lane of a
+// warp takes part in every visit (routes past `end` arrive as dropped ones).
+template <typename IdT, typename Visit>
+__device__ __forceinline__ void for_routes(const Problem& p, int first, int step, int end,
+                                           Visit visit) {
+  for (int g = first; g - (int)(threadIdx.x & 31) < end; g += ITEMS_PER_THREAD * step) {
+    Route r[ITEMS_PER_THREAD];
+#pragma unroll
+    for (int j = 0; j < ITEMS_PER_THREAD; ++j) r[j] = load_route<IdT>(p, g + j * step, end);
+#pragma unroll
+    for (int j = 0; j < ITEMS_PER_THREAD; ++j) visit(g + j * step, r[j]);
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Single block: count, scan, place and fill in one launch (decode sizes).
-// Shared memory: starts[nb + 1] ints | DET: warp_counts[nwarps * stride] ushort, stride = nb
-// rounded up to even (4-byte aligned rows) | processed[rows].
+// After the row region: starts[nb + 1] ints | DET: warp_counts[nwarps * stride] ushort,
+// stride = nb rounded up to even (4-byte aligned rows).
 template <typename IdT, bool DET>
 __device__ void align_in_one_block(const Problem& p) {
   __shared__ int warp_sums[32];
   const int nb = num_buckets(p), nwarps = blockDim.x >> 5, stride = (nb + 1) & ~1;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  int* starts = reinterpret_cast<int*>(dynamic_smem);
+  unsigned char* processed = dynamic_smem;
+  int* starts = reinterpret_cast<int*>(dynamic_smem + row_region_bytes(p.rows));
   unsigned short* warp_counts = reinterpret_cast<unsigned short*>(starts + nb + 1);
-  unsigned char* processed = reinterpret_cast<unsigned char*>(
-      DET ? (void*)(warp_counts + nwarps * stride) : (void*)(starts + nb + 1));
 
+  // Non-deterministic: thread t owns routes t, t + blockDim, ...; deterministic: warp w owns
+  // a contiguous run, so its counters give ranks in flat-index order.
+  const int per_warp = ((p.numel + nwarps - 1) / nwarps + 31) & ~31;
+  const int lo = min(p.numel, warp * per_warp), hi = min(p.numel, lo + per_warp);
+  Route route[ITEMS_PER_THREAD];
+  if (!DET) {
+#pragma unroll
+    for (int j = 0; j < ITEMS_PER_THREAD; ++j)
+      route[j] = load_route<IdT>(p, j * blockDim.x + threadIdx.x, p.numel);
+  }
   for (int b = threadIdx.x; b < nb; b += blockDim.x) starts[b] = 0;
   if (DET)
     for (int k = threadIdx.x; k < nwarps * stride; k += blockDim.x) warp_counts[k] = 0;
@@ -42,7 +68,7 @@ __device__ void align_in_one_block(const Problem& p) {
 #pragma unroll
     for (int j = 0; j < ITEMS_PER_THREAD; ++j) {
       const int i = j * blockDim.x + threadIdx.x;
-      bucket[j] = i < p.numel ? route_bucket<IdT>(p, i, processed) : -1;
+      bucket[j] = bucket_of(p, route[j], processed);
       if (p.scatter_idx != nullptr && i < p.numel) p.scatter_idx[i] = bucket[j] >= 0 ? i : -1;
       rank[j] = claim(starts, bucket[j]);
     }
@@ -53,16 +79,12 @@ __device__ void align_in_one_block(const Problem& p) {
       if (bucket[j] >= 0)
         p.sorted_ids[output_index(p, starts, bucket[j], rank[j])] = j * blockDim.x + threadIdx.x;
   } else {
-    // Warp w owns a contiguous run of routes; its counters give ranks in flat-index order.
-    const int per_warp = ((p.numel + nwarps - 1) / nwarps + 31) & ~31;
-    const int lo = min(p.numel, warp * per_warp), hi = min(p.numel, lo + per_warp);
     unsigned short* mine = warp_counts + warp * stride;
-    for (int base = lo; base < hi; base += 32) {
-      const int i = base + lane;
-      const int b = i < hi ? route_bucket<IdT>(p, i, processed) : -1;
+    for_routes<IdT>(p, lo + lane, 32, hi, [&](int i, Route r) {
+      const int b = bucket_of(p, r, processed);
       if (p.scatter_idx != nullptr && i < hi) p.scatter_idx[i] = b >= 0 ? i : -1;
       claim(mine, b);  // totals only: order does not matter here
-    }
+    });
     __syncthreads();
     for (int b = threadIdx.x; b < nb; b += blockDim.x) {
       int run = 0;
@@ -75,12 +97,11 @@ __device__ void align_in_one_block(const Problem& p) {
     }
     __syncthreads();
     scan_padded_counts(nb, p.block_size, [&](int b) { return starts[b]; }, starts, warp_sums);
-    for (int base = lo; base < hi; base += 32) {
-      const int i = base + lane;
-      const int b = i < hi ? route_bucket<IdT>(p, i, processed) : -1;
+    for_routes<IdT>(p, lo + lane, 32, hi, [&](int i, Route r) {
+      const int b = bucket_of(p, r, processed);
       const int rank = claim_in_lane_order(mine, b);
       if (b >= 0) p.sorted_ids[output_index(p, starts, b, rank)] = i;
-    }
+    });
   }
   write_expert_ids(p, processed, starts, threadIdx.x, blockDim.x);
   write_totals(p, processed, starts);
@@ -100,7 +121,7 @@ __global__ void align_pair(const Problem first, const Problem second) {
 // ---------------------------------------------------------------------------------------------
 // Multi-block, stage 1: fill the sentinels, count every chunk; the last block to finish scans
 // the counts into segment starts, writes the totals and leaves the scratch zeroed for next time.
-// Shared memory: SHARED: hist[nb] | DET: hist[range_width] | processed[rows].
+// After the row region: SHARED: hist[nb] | DET: hist[range_width] | GLOBAL: nothing.
 template <typename IdT, int MODE>
 __global__ void align_count(const Problem p) {
   __shared__ int warp_sums[32];
@@ -113,18 +134,22 @@ __global__ void align_count(const Problem p) {
     lo_b = (blockIdx.x - chunk * p.ranges) * p.range_width;
     hi_b = min(nb, lo_b + p.range_width);
   }
-  int* hist = reinterpret_cast<int*>(dynamic_smem);
+  unsigned char* processed = dynamic_smem;
+  int* hist = reinterpret_cast<int*>(dynamic_smem + row_region_bytes(p.rows));
   const int hist_len = MODE == MODE_SHARED ? nb : MODE == MODE_DETERMINISTIC ? p.range_width : 0;
-  unsigned char* processed = dynamic_smem + 4 * hist_len;
+  const int c0 = min(p.numel, chunk * p.chunk), c1 = min(p.numel, c0 + p.chunk);
+
+  Route first[ITEMS_PER_THREAD];  // the first load group, in flight during the set-up below
+#pragma unroll
+  for (int j = 0; j < ITEMS_PER_THREAD; ++j)
+    first[j] = load_route<IdT>(p, c0 + j * blockDim.x + threadIdx.x, c1);
   for (int b = threadIdx.x; b < hist_len; b += blockDim.x) hist[b] = 0;
   mark_processed_rows(p, processed);
   fill_rows(p, processed, p.sorted_ids, p.sorted_pitch, p.padded_len, p.numel,
             blockIdx.x * blockDim.x + threadIdx.x, gridDim.x * blockDim.x);
 
-  const int c0 = min(p.numel, chunk * p.chunk), c1 = min(p.numel, c0 + p.chunk);
-  for (int base = c0 + warp * 32; base < c1; base += blockDim.x) {
-    const int i = base + lane;
-    int b = i < c1 ? route_bucket<IdT>(p, i, processed) : -1;
+  auto count = [&](int i, Route r) {
+    int b = bucket_of(p, r, processed);
     if (p.scatter_idx != nullptr && i < c1 && lo_b == 0) p.scatter_idx[i] = b >= 0 ? i : -1;
     if (MODE == MODE_GLOBAL) {
       claim(p.counts, b);
@@ -132,7 +157,11 @@ __global__ void align_count(const Problem p) {
       if (MODE == MODE_DETERMINISTIC) b = (b >= lo_b && b < hi_b) ? b - lo_b : -1;
       claim(hist, b);
     }
-  }
+  };
+#pragma unroll
+  for (int j = 0; j < ITEMS_PER_THREAD; ++j) count(c0 + j * blockDim.x + threadIdx.x, first[j]);
+  const int rest = c0 + ITEMS_PER_THREAD * blockDim.x;  // only deterministic chunks are longer
+  if (rest < c1) for_routes<IdT>(p, rest + warp * 32 + lane, blockDim.x, c1, count);
   __syncthreads();
   if (MODE == MODE_SHARED) {
     for (int b = threadIdx.x; b < nb; b += blockDim.x)
@@ -175,32 +204,52 @@ __global__ void align_count(const Problem p) {
 }
 
 // Multi-block, stage 2: expert ids of every tile, then every route to its position.
-// Shared memory: SHARED: hist[nb] | DET: warp_counts[nwarps * range_width] ushort,
-// offsets[range_width] int | processed[rows].
+// After the row region: SHARED: hist[nb] | DET: warp_counts[nwarps * range_width] ushort,
+// offsets[range_width] int | then, with p.starts_in_smem, starts[nb + 1] ints copied from
+// global memory so the tile search of expert_ids runs in shared memory.
 template <typename IdT, int MODE>
 __global__ void align_place(const Problem p) {
   const int nb = num_buckets(p), E = p.num_experts;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
-  int* hist = reinterpret_cast<int*>(dynamic_smem);
-  unsigned short* warp_counts = reinterpret_cast<unsigned short*>(dynamic_smem);
+  unsigned char* processed = dynamic_smem;
+  unsigned char* after_rows = dynamic_smem + row_region_bytes(p.rows);
+  int* hist = reinterpret_cast<int*>(after_rows);
+  unsigned short* warp_counts = reinterpret_cast<unsigned short*>(after_rows);
   int* offsets = reinterpret_cast<int*>(warp_counts + nwarps * p.range_width);
-  const int smem_head = MODE == MODE_SHARED ? 4 * nb
-                        : MODE == MODE_DETERMINISTIC ? (2 * nwarps + 4) * p.range_width : 0;
-  unsigned char* processed = dynamic_smem + smem_head;
+  const int head = MODE == MODE_SHARED ? 4 * nb
+                   : MODE == MODE_DETERMINISTIC ? (2 * nwarps + 4) * p.range_width : 0;
+  // Segment starts for the tile search: a shared copy when the host granted room for it.
+  int* starts_copy = reinterpret_cast<int*>(after_rows + head);
+  const bool local_starts = p.starts_in_smem != 0;
+
+  int chunk = blockIdx.x, lo_b = 0, hi_b = nb;
+  if (MODE == MODE_DETERMINISTIC) {
+    chunk = blockIdx.x / p.ranges;
+    lo_b = (blockIdx.x - chunk * p.ranges) * p.range_width;
+    hi_b = min(nb, lo_b + p.range_width);
+  }
+  const int c0 = min(p.numel, chunk * p.chunk), c1 = min(p.numel, c0 + p.chunk);
+  Route route[ITEMS_PER_THREAD];
+  if (MODE == MODE_SHARED) {
+#pragma unroll
+    for (int j = 0; j < ITEMS_PER_THREAD; ++j)
+      route[j] = load_route<IdT>(p, c0 + j * blockDim.x + threadIdx.x, c1);
+  }
+  if (local_starts)
+    for (int b = threadIdx.x; b <= nb; b += blockDim.x) starts_copy[b] = p.starts[b];
   if (MODE == MODE_SHARED)
     for (int b = threadIdx.x; b < nb; b += blockDim.x) hist[b] = 0;
   if (MODE == MODE_DETERMINISTIC)
     for (int k = threadIdx.x; k < nwarps * p.range_width; k += blockDim.x) warp_counts[k] = 0;
   mark_processed_rows(p, processed);
-  write_expert_ids(p, processed, p.starts, blockIdx.x * blockDim.x + threadIdx.x, gridDim.x * blockDim.x);
+  write_expert_ids(p, processed, local_starts ? starts_copy : p.starts,
+                   blockIdx.x * blockDim.x + threadIdx.x, gridDim.x * blockDim.x);
 
   if (MODE == MODE_SHARED) {
-    const int c0 = blockIdx.x * p.chunk, c1 = min(p.numel, c0 + p.chunk);
     int bucket[ITEMS_PER_THREAD], rank[ITEMS_PER_THREAD];
 #pragma unroll
     for (int j = 0; j < ITEMS_PER_THREAD; ++j) {
-      const int i = c0 + j * blockDim.x + threadIdx.x;
-      bucket[j] = i < c1 ? route_bucket<IdT>(p, i, processed) : -1;
+      bucket[j] = bucket_of(p, route[j], processed);
       rank[j] = claim(hist, bucket[j]);
     }
     __syncthreads();
@@ -214,27 +263,23 @@ __global__ void align_place(const Problem p) {
         p.sorted_ids[(long long)(bucket[j] / E) * p.sorted_pitch + hist[bucket[j]] + rank[j]] =
             c0 + j * blockDim.x + threadIdx.x;
   } else if (MODE == MODE_GLOBAL) {
-    const int c0 = blockIdx.x * p.chunk, c1 = min(p.numel, c0 + p.chunk);
-    for (int base = c0 + warp * 32; base < c1; base += blockDim.x) {
-      const int i = base + lane;
-      const int b = i < c1 ? route_bucket<IdT>(p, i, processed) : -1;
+    for_routes<IdT>(p, c0 + warp * 32 + lane, blockDim.x, c1, [&](int i, Route r) {
+      const int b = bucket_of(p, r, processed);
       const int pos = claim(p.cursor, b);
       if (b >= 0) p.sorted_ids[(long long)(b / E) * p.sorted_pitch + pos] = i;
-    }
+    });
   } else {
-    const int chunk = blockIdx.x / p.ranges;
-    const int lo_b = (blockIdx.x - chunk * p.ranges) * p.range_width;
-    const int hi_b = min(nb, lo_b + p.range_width), width = hi_b - lo_b;
-    const int c0 = min(p.numel, chunk * p.chunk), c1 = min(p.numel, c0 + p.chunk);
+    const int width = hi_b - lo_b;
     const int per_warp = ((c1 - c0 + nwarps - 1) / nwarps + 31) & ~31;
     const int lo = min(c1, c0 + warp * per_warp), hi = min(c1, lo + per_warp);
     unsigned short* mine = warp_counts + warp * p.range_width;
-    for (int base = lo; base < hi; base += 32) {
-      const int i = base + lane;
-      int b = i < hi ? route_bucket<IdT>(p, i, processed) : -1;
-      b = (b >= lo_b && b < hi_b) ? b - lo_b : -1;
-      claim(mine, b);  // totals only: order does not matter here
-    }
+    auto in_range = [&](Route r) {
+      const int b = bucket_of(p, r, processed);
+      return (b >= lo_b && b < hi_b) ? b - lo_b : -1;
+    };
+    for_routes<IdT>(p, lo + lane, 32, hi, [&](int, Route r) {
+      claim(mine, in_range(r));  // totals only: order does not matter here
+    });
     __syncthreads();
     for (int lb = threadIdx.x; lb < width; lb += blockDim.x) {
       const int b = lo_b + lb;
@@ -247,13 +292,11 @@ __global__ void align_place(const Problem p) {
       }
     }
     __syncthreads();
-    for (int base = lo; base < hi; base += 32) {
-      const int i = base + lane;
-      int b = i < hi ? route_bucket<IdT>(p, i, processed) : -1;
-      b = (b >= lo_b && b < hi_b) ? b - lo_b : -1;
+    for_routes<IdT>(p, lo + lane, 32, hi, [&](int i, Route r) {
+      const int b = in_range(r);
       const int rank = claim_in_lane_order(mine, b);
       if (b >= 0)
         p.sorted_ids[(long long)((lo_b + b) / E) * p.sorted_pitch + offsets[b] + rank] = i;
-    }
+    });
   }
 }

@@ -43,6 +43,7 @@ class Launch:
     smem_single: int = 0      # dynamic shared bytes of the single-block kernel
     smem_count: int = 0       # dynamic shared bytes of the count kernel
     smem_place: int = 0       # dynamic shared bytes of the place kernel
+    starts_in_smem: bool = False  # place kernel copies the segment starts to shared memory
 
     @property
     def mode(self) -> int:
@@ -56,14 +57,19 @@ class Launch:
         return 1 if self.kind == "single" else 2
 
 
+def row_region_bytes(rows: int) -> int:
+    """kernels/align_common.cuh: row_region_bytes (processed flags and the slot list)."""
+    return ((((rows + 3) & ~3) + 4 * (rows + 1)) + 15) & ~15
+
+
 def shared_fits(num_buckets: int, rows: int, limits: DeviceLimits) -> bool:
-    return 4 * num_buckets + rows + SMEM_SLACK <= limits.smem_optin
+    return 4 * num_buckets + row_region_bytes(rows) + SMEM_SLACK <= limits.smem_optin
 
 
 def _single_block(numel, num_buckets, rows, deterministic, limits):
     if numel > SINGLE_BLOCK_MAX_ROUTES:
         return None
-    base = 4 * (num_buckets + 1) + rows + SMEM_SLACK
+    base = 4 * (num_buckets + 1) + row_region_bytes(rows) + SMEM_SLACK
     if not deterministic:
         if base > limits.smem_optin:
             return None
@@ -109,13 +115,14 @@ def choose_launch(numel: int, num_buckets: int, rows: int, limits: DeviceLimits,
         chunk = min(SINGLE_BLOCK_MAX_ROUTES, max(BLOCK, _ceil_div(per_sm, BLOCK) * BLOCK))
         grid = max(1, _ceil_div(numel, chunk))
         hist = 4 * num_buckets if chosen == "shared" else 0
-        smem = hist + rows + SMEM_SLACK
+        smem = hist + row_region_bytes(rows) + SMEM_SLACK
+        copy, place = _with_starts_copy(smem, num_buckets, limits)
         return Launch(chosen, "multi", False, BLOCK, grid=grid, chunk=chunk,
-                      smem_count=smem, smem_place=smem)
+                      smem_count=smem, smem_place=place, starts_in_smem=copy)
 
     # Deterministic: blocks tile (chunk, bucket range); per-warp counters cover one range.
     warps = BLOCK // 32
-    avail = limits.smem_optin - rows - SMEM_SLACK
+    avail = limits.smem_optin - row_region_bytes(rows) - SMEM_SLACK
     width = min(num_buckets, avail // (2 * warps + 4))
     width = max(2, width - width % 32 if width >= 32 else width + (width & 1))
     ranges = _ceil_div(num_buckets, width)
@@ -125,10 +132,19 @@ def choose_launch(numel: int, num_buckets: int, rows: int, limits: DeviceLimits,
     chunks = max(min_chunks, min(want, budget, max(1, _ceil_div(numel, BLOCK))))
     chunk = max(1, _ceil_div(numel, chunks))
     chunks = max(1, _ceil_div(numel, chunk))
+    rows_smem = row_region_bytes(rows) + SMEM_SLACK
+    copy, place = _with_starts_copy((2 * warps + 4) * width + rows_smem, num_buckets, limits)
     return Launch(chosen, "multi", True, BLOCK, grid=chunks * ranges, chunk=chunk,
-                  range_width=width, ranges=ranges,
-                  smem_count=4 * width + rows + SMEM_SLACK,
-                  smem_place=(2 * warps + 4) * width + rows + SMEM_SLACK)
+                  range_width=width, ranges=ranges, smem_count=4 * width + rows_smem,
+                  smem_place=place, starts_in_smem=copy)
+
+
+def _with_starts_copy(smem, num_buckets, limits):
+    """Room for a shared copy of the segment starts in the place kernel, when it fits."""
+    with_copy = smem + 4 * (num_buckets + 1)
+    if with_copy <= limits.smem_optin:
+        return True, with_copy
+    return False, smem
 
 
 def choose_pair(numel: int, base_buckets: int, lora_buckets: int, rows: int,
@@ -141,8 +157,9 @@ def choose_pair(numel: int, base_buckets: int, lora_buckets: int, rows: int,
     block = min(base.block, lora.block)
     warps = block // 32
     even = lambda n: n + (n & 1)  # noqa: E731  (per-warp counter rows are 4-byte aligned)
-    smem = max(4 * (base_buckets + 1) + 1 + (2 * warps * even(base_buckets) if deterministic else 0),
-               4 * (lora_buckets + 1) + rows + (2 * warps * even(lora_buckets) if deterministic
-                                                else 0))
+    smem = max(4 * (base_buckets + 1) + row_region_bytes(1)
+               + (2 * warps * even(base_buckets) if deterministic else 0),
+               4 * (lora_buckets + 1) + row_region_bytes(rows)
+               + (2 * warps * even(lora_buckets) if deterministic else 0))
     return Launch("shared", "single", deterministic, block, grid=2,
                   smem_single=smem + SMEM_SLACK)

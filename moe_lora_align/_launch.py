@@ -20,7 +20,7 @@ _POINTERS = ("topk_ids", "token_slot", "lora_ids", "adapter_enabled", "expert_ma
              "counts", "starts", "cursor", "chunk_hist", "ticket")
 _INTS = ("numel", "topk", "num_experts", "block_size", "rows", "lora_ids_len", "padded_len",
          "num_tiles", "sorted_pitch", "expert_pitch", "map_mode", "fill_unprocessed", "chunk",
-         "range_width", "ranges", "pad_")
+         "range_width", "ranges", "starts_in_smem")
 # Mirrors kernels/align_common.cuh: struct Problem.
 PROBLEM_DTYPE = np.dtype([(n, np.uint64) for n in _POINTERS] + [(n, np.int32) for n in _INTS],
                          align=True)
@@ -112,7 +112,8 @@ def pack(job: Job, launch: _dispatch.Launch, ws: Workspace) -> np.void:
         job.numel, max(job.topk, 1), job.num_experts, job.block_size, job.rows,
         0 if job.lora_ids is None else int(job.lora_ids.shape[0]), job.padded_len,
         job.num_tiles, job.sorted_pitch, job.expert_pitch, job.map_mode,
-        int(job.fill_unprocessed), launch.chunk, launch.range_width, launch.ranges, 0)
+        int(job.fill_unprocessed), launch.chunk, launch.range_width, launch.ranges,
+        int(launch.starts_in_smem))
     return np.frombuffer(raw, dtype=PROBLEM_DTYPE)[0]
 
 

@@ -16,7 +16,7 @@ def processed_rows(rows: int, lora_ids=None, adapter_enabled=None) -> np.ndarray
         enabled = np.asarray(adapter_enabled)[:rows] != 0
     if lora_ids is None:
         return enabled
-    ids = np.asarray(lora_ids, dtype=np.int64)
+    ids = np.asarray(lora_ids, dtype=np.int64)[: rows + 1]  # the contract's max_loras + 1
     ids = ids[(ids >= 0) & (ids < rows)]
     mask = np.zeros(rows, dtype=bool)
     mask[ids] = True

@@ -13,10 +13,10 @@ SIZES = [  # (tokens, experts, topk, block, max_loras): decode and prefill
     (1, 64, 8, 16, 4), (255, 256, 8, 16, 16), (4096, 128, 4, 64, 4), (16384, 256, 8, 64, 16)]
 
 
-def _inputs(T, E, K, max_loras, seed=0):
+def _inputs(T, E, K, max_loras, seed=0, disabled=1):
     rng = np.random.default_rng(seed)
     ids = make_routing(rng, T, K, E, np.int32, "uniform")
-    mapping, lora_ids, enabled = make_lora(rng, T, max_loras, disabled=1)
+    mapping, lora_ids, enabled = make_lora(rng, T, max_loras, disabled=disabled)
     return ids, mapping, lora_ids, enabled
 
 
@@ -94,7 +94,8 @@ def test_caller_stream_order(streams):
     """Work queued on a non-default caller stream before the call is seen by the alignment,
     and work queued after it sees the results."""
     T, E, K, B, L = (255, 64, 8, 16, 4) if streams == "fused" else (16384, 256, 8, 64, 16)
-    ids, mapping, lora_ids, enabled = _inputs(T, E, K, L, seed=5)
+    # every slot processed: the out= rows of unprocessed slots would keep their old zeros
+    ids, mapping, lora_ids, enabled = _inputs(T, E, K, L, seed=5, disabled=0)
     caller = cupy.cuda.Stream(non_blocking=True)
     with caller:
         src = cupy.asarray(ids)
