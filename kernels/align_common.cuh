@@ -40,7 +40,20 @@ struct Problem {
   int range_width;              // buckets per block (deterministic multi-block kernels)
   int ranges;                   // bucket ranges per chunk (deterministic multi-block kernels)
   int starts_in_smem;           // place kernel: copy starts to shared memory for the tile search
+  unsigned int topk_magic;      // n / d == (n * magic) >> shift for 0 <= n < 2^31 (host-made)
+  int topk_shift;
+  unsigned int block_magic;
+  int block_shift;
+  unsigned int experts_magic;
+  int experts_shift;
+  unsigned int tiles_magic;
+  int tiles_shift;
 };
+
+// Division by a divisor fixed per call, as a multiply and a shift (no division instructions).
+__device__ __forceinline__ int fast_div(int n, unsigned magic, int shift) {
+  return (int)(((unsigned long long)(unsigned)n * magic) >> shift);
+}
 
 __device__ __forceinline__ int num_buckets(const Problem& p) { return p.rows * p.num_experts; }
 
@@ -98,7 +111,7 @@ __device__ __forceinline__ Route load_route(const Problem& p, int i, int end) {
   Route r{-1, 0};
   if (i < end) {
     r.id = (long long)static_cast<const IdT*>(p.topk_ids)[i];
-    if (p.token_slot != nullptr) r.slot = p.token_slot[i / p.topk];
+    if (p.token_slot != nullptr) r.slot = p.token_slot[fast_div(i, p.topk_magic, p.topk_shift)];
   }
   return r;
 }
@@ -178,38 +191,28 @@ __device__ void fill_rows(const Problem& p, const unsigned char* processed, int*
                           int len, int value, int tid, int nthreads) {
   const bool vec = ((pitch & 3) == 0) && ((reinterpret_cast<unsigned long long>(base) & 15) == 0);
   const int nvec = vec ? (len >> 2) : 0;
-  if (nvec > 0) {
-    const int4 v = make_int4(value, value, value, value);
-    const int total = p.rows * nvec;
-    for (int k = tid; k < total; k += nthreads) {
-      const int r = k / nvec;
-      if (row_written(p, processed, r))
-        reinterpret_cast<int4*>(base + (long long)r * pitch)[k - r * nvec] = v;
-    }
-  }
-  const int tail = len - 4 * nvec;
-  if (tail > 0) {
-    const int total = p.rows * tail;
-    for (int k = tid; k < total; k += nthreads) {
-      const int r = k / tail;
-      if (row_written(p, processed, r)) base[(long long)r * pitch + 4 * nvec + (k - r * tail)] = value;
-    }
+  const int4 v = make_int4(value, value, value, value);
+  for (int r = 0; r < p.rows; ++r) {
+    if (!row_written(p, processed, r)) continue;
+    int* row = base + (long long)r * pitch;
+    for (int k = tid; k < nvec; k += nthreads) reinterpret_cast<int4*>(row)[k] = v;
+    for (int k = 4 * nvec + tid; k < len; k += nthreads) row[k] = value;
   }
 }
 
-__device__ __forceinline__ int padded_count(int c, int block_size) {
-  return (c + block_size - 1) / block_size * block_size;
+__device__ __forceinline__ int padded_count(const Problem& p, int c) {
+  return fast_div(c + p.block_size - 1, p.block_magic, p.block_shift) * p.block_size;
 }
 
 // Block-wide exclusive scan of padded counts over all buckets of all rows:
 // out[b] = sum_{b' < b} ceil_B(count(b')), out[n] = total. Each thread scans a contiguous run.
 // `out` may alias the counts when `count` reads the same array (in-place on a thread's run).
 template <typename CountFn>
-__device__ void scan_padded_counts(int n, int block_size, CountFn count, int* out, int* warp_sums) {
+__device__ void scan_padded_counts(const Problem& p, int n, CountFn count, int* out, int* warp_sums) {
   const int per = (n + blockDim.x - 1) / blockDim.x;
   const int lo = min(n, (int)threadIdx.x * per), hi = min(n, lo + per);
   int sum = 0;
-  for (int b = lo; b < hi; ++b) sum += padded_count(count(b), block_size);
+  for (int b = lo; b < hi; ++b) sum += padded_count(p, count(b));
   // inclusive scan of the per-thread sums
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   int x = sum;
@@ -230,7 +233,7 @@ __device__ void scan_padded_counts(int n, int block_size, CountFn count, int* ou
   __syncthreads();
   int run = x - sum + (warp > 0 ? warp_sums[warp - 1] : 0);
   for (int b = lo; b < hi; ++b) {
-    const int c = padded_count(count(b), block_size);
+    const int c = padded_count(p, count(b));
     out[b] = run;
     run += c;
   }
@@ -255,7 +258,7 @@ __device__ void write_expert_ids(const Problem& p, const unsigned char* processe
   const int E = p.num_experts, M = p.num_tiles;
   const int total_tiles = p.rows * M;
   for (int k = tid; k < total_tiles; k += nthreads) {
-    const int r = k / M, t = k - r * M;
+    const int r = fast_div(k, p.tiles_magic, p.tiles_shift), t = k - r * M;
     if (!row_written(p, processed, r)) continue;
     int value = -1;
     if (processed[r]) {
@@ -278,8 +281,12 @@ __device__ void write_totals(const Problem& p, const unsigned char* processed, c
   }
 }
 
+__device__ __forceinline__ int row_of(const Problem& p, int bucket) {
+  return fast_div(bucket, p.experts_magic, p.experts_shift);
+}
+
 // Position of a route inside its row: segment start + rank.
 __device__ __forceinline__ long long output_index(const Problem& p, const int* starts, int bucket, int rank) {
-  const int r = bucket / p.num_experts;
+  const int r = row_of(p, bucket);
   return (long long)r * p.sorted_pitch + (starts[bucket] - starts[r * p.num_experts]) + rank;
 }

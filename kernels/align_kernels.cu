@@ -73,7 +73,7 @@ __device__ void align_in_one_block(const Problem& p) {
       rank[j] = claim(starts, bucket[j]);
     }
     __syncthreads();
-    scan_padded_counts(nb, p.block_size, [&](int b) { return starts[b]; }, starts, warp_sums);
+    scan_padded_counts(p, nb, [&](int b) { return starts[b]; }, starts, warp_sums);
 #pragma unroll
     for (int j = 0; j < ITEMS_PER_THREAD; ++j)
       if (bucket[j] >= 0)
@@ -96,7 +96,7 @@ __device__ void align_in_one_block(const Problem& p) {
       starts[b] = run;
     }
     __syncthreads();
-    scan_padded_counts(nb, p.block_size, [&](int b) { return starts[b]; }, starts, warp_sums);
+    scan_padded_counts(p, nb, [&](int b) { return starts[b]; }, starts, warp_sums);
     for_routes<IdT>(p, lo + lane, 32, hi, [&](int i, Route r) {
       const int b = bucket_of(p, r, processed);
       const int rank = claim_in_lane_order(mine, b);
@@ -180,11 +180,11 @@ __global__ void align_count(const Problem p) {
   __syncthreads();
   if (!is_last) return;
   __threadfence();
-  scan_padded_counts(nb, p.block_size, [&](int b) { return __ldcg(p.counts + b); }, p.starts, warp_sums);
+  scan_padded_counts(p, nb, [&](int b) { return __ldcg(p.counts + b); }, p.starts, warp_sums);
   const int E = p.num_experts;
   for (int b = threadIdx.x; b < nb; b += blockDim.x) {
     p.counts[b] = 0;
-    if (MODE != MODE_DETERMINISTIC) p.cursor[b] = p.starts[b] - p.starts[(b / E) * E];
+    if (MODE != MODE_DETERMINISTIC) p.cursor[b] = p.starts[b] - p.starts[row_of(p, b) * E];
   }
   if (MODE == MODE_DETERMINISTIC) {
     // Exclusive prefix over chunks of every bucket: where each chunk's routes start.
@@ -260,13 +260,13 @@ __global__ void align_place(const Problem p) {
 #pragma unroll
     for (int j = 0; j < ITEMS_PER_THREAD; ++j)
       if (bucket[j] >= 0)
-        p.sorted_ids[(long long)(bucket[j] / E) * p.sorted_pitch + hist[bucket[j]] + rank[j]] =
+        p.sorted_ids[(long long)row_of(p, bucket[j]) * p.sorted_pitch + hist[bucket[j]] + rank[j]] =
             c0 + j * blockDim.x + threadIdx.x;
   } else if (MODE == MODE_GLOBAL) {
     for_routes<IdT>(p, c0 + warp * 32 + lane, blockDim.x, c1, [&](int i, Route r) {
       const int b = bucket_of(p, r, processed);
       const int pos = claim(p.cursor, b);
-      if (b >= 0) p.sorted_ids[(long long)(b / E) * p.sorted_pitch + pos] = i;
+      if (b >= 0) p.sorted_ids[(long long)row_of(p, b) * p.sorted_pitch + pos] = i;
     });
   } else {
     const int width = hi_b - lo_b;
@@ -283,7 +283,7 @@ __global__ void align_place(const Problem p) {
     __syncthreads();
     for (int lb = threadIdx.x; lb < width; lb += blockDim.x) {
       const int b = lo_b + lb;
-      offsets[lb] = p.starts[b] - p.starts[(b / E) * E] + p.chunk_hist[(long long)chunk * nb + b];
+      offsets[lb] = p.starts[b] - p.starts[row_of(p, b) * E] + p.chunk_hist[(long long)chunk * nb + b];
       int run = 0;
       for (int w = 0; w < nwarps; ++w) {
         const int c = warp_counts[w * p.range_width + lb];
@@ -296,7 +296,7 @@ __global__ void align_place(const Problem p) {
       const int b = in_range(r);
       const int rank = claim_in_lane_order(mine, b);
       if (b >= 0)
-        p.sorted_ids[(long long)((lo_b + b) / E) * p.sorted_pitch + offsets[b] + rank] = i;
+        p.sorted_ids[(long long)row_of(p, lo_b + b) * p.sorted_pitch + offsets[b] + rank] = i;
     });
   }
 }

@@ -66,16 +66,31 @@ def shared_fits(num_buckets: int, rows: int, limits: DeviceLimits) -> bool:
     return 4 * num_buckets + row_region_bytes(rows) + SMEM_SLACK <= limits.smem_optin
 
 
-def _single_block(numel, num_buckets, rows, deterministic, limits):
+SINGLE_BLOCK_SIZES = (128, 256, 512, 1024)
+ENTRIES_PER_THREAD = 64       # output entries a thread of the single block writes at most
+
+
+def single_block_threads(numel: int, out_entries: int) -> int:
+    """The smallest block that holds every route in registers and spreads the output fill."""
+    for block in SINGLE_BLOCK_SIZES:
+        if block * ITEMS_PER_THREAD >= numel and block * ENTRIES_PER_THREAD >= out_entries:
+            return block
+    return BLOCK
+
+
+def _single_block(numel, num_buckets, rows, deterministic, limits, out_entries=0):
     if numel > SINGLE_BLOCK_MAX_ROUTES:
         return None
     base = 4 * (num_buckets + 1) + row_region_bytes(rows) + SMEM_SLACK
+    block = single_block_threads(numel, out_entries)
     if not deterministic:
         if base > limits.smem_optin:
             return None
-        return Launch("shared", "single", False, BLOCK, smem_single=base)
+        return Launch("shared", "single", False, block, smem_single=base)
     # Deterministic: one unsigned short counter per (warp, bucket); fewer warps if they don't fit.
     for warps in (32, 16, 8, 4):
+        if 32 * warps > block:
+            continue
         smem = base + 2 * warps * (num_buckets + (num_buckets & 1))
         if smem <= limits.smem_optin:
             return Launch("shared", "single", True, 32 * warps, smem_single=smem)
@@ -88,11 +103,12 @@ def _ceil_div(a, b):
 
 def choose_launch(numel: int, num_buckets: int, rows: int, limits: DeviceLimits, *,
                   deterministic: bool = False, variant: str | None = None,
-                  allow_single: bool = True) -> Launch:
+                  allow_single: bool = True, out_entries: int = 0) -> Launch:
     """Pick the variant and launch geometry of one alignment.
 
-    ``num_buckets`` is ``rows * num_experts``. ``variant`` forces "shared" or "global";
-    forcing "shared" when its histogram cannot fit raises ``ValueError``.
+    ``num_buckets`` is ``rows * num_experts``; ``out_entries`` the output entries written
+    (``rows * (P + M)``), which sizes the single block. ``variant`` forces "shared" or
+    "global"; forcing "shared" when its histogram cannot fit raises ``ValueError``.
     """
     if variant is not None and variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS} or None, got {variant!r}")
@@ -105,7 +121,7 @@ def choose_launch(numel: int, num_buckets: int, rows: int, limits: DeviceLimits,
         )
     chosen = variant or ("shared" if fits else "global")
     if chosen == "shared" and allow_single:
-        single = _single_block(numel, num_buckets, rows, deterministic, limits)
+        single = _single_block(numel, num_buckets, rows, deterministic, limits, out_entries)
         if single is not None:
             return single
 
@@ -148,13 +164,14 @@ def _with_starts_copy(smem, num_buckets, limits):
 
 
 def choose_pair(numel: int, base_buckets: int, lora_buckets: int, rows: int,
-                limits: DeviceLimits, *, deterministic: bool = False):
-    """The fused single launch for base + LoRA, or ``None`` when either side needs more."""
-    base = _single_block(numel, base_buckets, 1, deterministic, limits)
-    lora = _single_block(numel, lora_buckets, rows, deterministic, limits)
+                limits: DeviceLimits, *, deterministic: bool = False, out_entries: int = 0):
+    """The fused single launch for base + LoRA, or ``None`` when either side needs more.
+    ``out_entries``: output entries of the LoRA side (the larger)."""
+    base = _single_block(numel, base_buckets, 1, deterministic, limits, out_entries // max(rows, 1))
+    lora = _single_block(numel, lora_buckets, rows, deterministic, limits, out_entries)
     if base is None or lora is None:
         return None
-    block = min(base.block, lora.block)
+    block = lora.block if not deterministic else min(base.block, lora.block)
     warps = block // 32
     even = lambda n: n + (n & 1)  # noqa: E731  (per-warp counter rows are 4-byte aligned)
     smem = max(4 * (base_buckets + 1) + row_region_bytes(1)

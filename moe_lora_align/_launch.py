@@ -21,9 +21,11 @@ _POINTERS = ("topk_ids", "token_slot", "lora_ids", "adapter_enabled", "expert_ma
 _INTS = ("numel", "topk", "num_experts", "block_size", "rows", "lora_ids_len", "padded_len",
          "num_tiles", "sorted_pitch", "expert_pitch", "map_mode", "fill_unprocessed", "chunk",
          "range_width", "ranges", "starts_in_smem")
+_DIVISORS = ("topk", "block", "experts", "tiles")
+_MAGICS = tuple(x for d in _DIVISORS for x in ((d + "_magic", np.uint32), (d + "_shift", np.int32)))
 # Mirrors kernels/align_common.cuh: struct Problem.
-PROBLEM_DTYPE = np.dtype([(n, np.uint64) for n in _POINTERS] + [(n, np.int32) for n in _INTS],
-                         align=True)
+PROBLEM_DTYPE = np.dtype([(n, np.uint64) for n in _POINTERS] + [(n, np.int32) for n in _INTS]
+                         + list(_MAGICS), align=True)
 
 MAP_NONE, MAP_BEFORE, MAP_AFTER = 0, 1, 2
 
@@ -97,9 +99,18 @@ def _ptr(x) -> int:
     return 0 if x is None else int(x.data.ptr)
 
 
-# Little-endian, no padding: 14 pointers then 16 ints, exactly PROBLEM_DTYPE's layout.
-_PACKER = struct.Struct("<%dQ%di" % (len(_POINTERS), len(_INTS)))
+# Little-endian, no padding: pointers, ints, then (magic, shift) pairs: PROBLEM_DTYPE's layout.
+_PACKER = struct.Struct("<%dQ%di%s" % (len(_POINTERS), len(_INTS), "Ii" * len(_DIVISORS)))
 assert _PACKER.size == PROBLEM_DTYPE.itemsize
+
+
+@functools.lru_cache(maxsize=1024)
+def division_magic(d: int):
+    """(magic, shift) with n // d == (n * magic) >> shift for every 0 <= n < 2**31."""
+    if d <= 0:
+        d = 1
+    bits = (d - 1).bit_length()
+    return -(-(1 << (31 + bits)) // d), 31 + bits
 
 
 def pack(job: Job, launch: _dispatch.Launch, ws: Workspace) -> np.void:
@@ -113,14 +124,21 @@ def pack(job: Job, launch: _dispatch.Launch, ws: Workspace) -> np.void:
         0 if job.lora_ids is None else int(job.lora_ids.shape[0]), job.padded_len,
         job.num_tiles, job.sorted_pitch, job.expert_pitch, job.map_mode,
         int(job.fill_unprocessed), launch.chunk, launch.range_width, launch.ranges,
-        int(launch.starts_in_smem))
+        int(launch.starts_in_smem), *division_magic(max(job.topk, 1)),
+        *division_magic(job.block_size), *division_magic(job.num_experts),
+        *division_magic(max(job.num_tiles, 1)))
     return np.frombuffer(raw, dtype=PROBLEM_DTYPE)[0]
 
 
 def plan_launch(job: Job, device_id: int, variant=None) -> _dispatch.Launch:
     return _dispatch.choose_launch(job.numel, job.num_buckets, job.rows,
                                    device_limits(device_id), deterministic=job.deterministic,
-                                   variant=variant)
+                                   variant=variant, out_entries=out_entries(job))
+
+
+def out_entries(job: Job) -> int:
+    """Output entries one alignment writes: every row's sorted ids and tile ids."""
+    return job.rows * (job.padded_len + job.num_tiles)
 
 
 def workspace_needs(launch: _dispatch.Launch, num_buckets: int):
@@ -210,7 +228,8 @@ def choose_streams(base: Job, lora: Job, device_id: int, streams=None, variant=N
     pair = None
     if variant in (None, "shared"):
         pair = _dispatch.choose_pair(base.numel, base.num_buckets, lora.num_buckets, lora.rows,
-                                     device_limits(device_id), deterministic=base.deterministic)
+                                     device_limits(device_id), deterministic=base.deterministic,
+                                     out_entries=out_entries(lora))
     if streams == "fused" and pair is None:
         raise ValueError("streams='fused' needs both alignments to fit one block each "
                          f"(at most {_dispatch.SINGLE_BLOCK_MAX_ROUTES} routes and a shared "

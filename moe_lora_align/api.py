@@ -255,7 +255,8 @@ def moe_lora_align_block_size(topk_ids, token_lora_mapping, block_size, num_expe
         block_size, num_experts: as for ``moe_align_block_size``.
         max_loras: number of adapter slots (rows), > 0.
         lora_ids: optional int32 ``[>= max_loras + 1]``, the slots to process; -1 and values
-            ``>= max_loras`` are skipped. Default: every slot.
+            ``>= max_loras`` are skipped, and only the first ``max_loras + 1`` entries are read.
+            Default: every slot.
         adapter_enabled: optional int32 ``[>= max_loras + 1]`` indexed by slot, 0 = disabled.
         expert_map: optional int32 ``[E]``, applied before counting (non-local routes dropped).
         out: optional ``(sorted_token_ids, expert_ids, num_tokens_post_pad)``: ``[max_loras,

@@ -69,3 +69,17 @@ def test_problem_struct_matches_the_header():
         assert size == (8 if "*" in ctype else 4), (name, ctype)
     assert PROBLEM_DTYPE.itemsize % 8 == 0
     assert np.dtype(PROBLEM_DTYPE).isalignedstruct
+
+
+def test_division_magic_is_exact():
+    from moe_lora_align._launch import division_magic
+
+    rng = np.random.default_rng(0)
+    divisors = list(range(1, 300)) + [2**31 - 1, 2**20 + 7] + rng.integers(1, 2**31, 200).tolist()
+    for d in divisors:
+        m, s = division_magic(int(d))
+        assert 0 < m < 2**32
+        n = np.concatenate([[0, 1, d - 1, d, d + 1, 2**31 - 1],
+                            rng.integers(0, 2**31, 64)]).astype(object)
+        n = n[n < 2**31]
+        assert all((int(x) * m) >> s == int(x) // int(d) for x in n)

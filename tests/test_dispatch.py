@@ -68,8 +68,8 @@ def test_work_spreads_over_the_sms():
 
 
 def test_single_block_deterministic_uses_fewer_warps_for_many_buckets():
-    few = d.choose_launch(2048, 256, 1, H200, deterministic=True)
-    many = d.choose_launch(2048, 16 * 256, 16, H200, deterministic=True)
+    few = d.choose_launch(4096, 256, 1, H200, deterministic=True)
+    many = d.choose_launch(4096, 16 * 256, 16, H200, deterministic=True)
     assert few.block == 1024
     assert many.kind == "single" and many.block < 1024
 
@@ -79,3 +79,12 @@ def test_pair_fuses_decode_and_declines_prefill():
     assert pair is not None and pair.grid == 2 and pair.smem_single <= H200.smem_optin
     assert d.choose_pair(65536, 256, 16 * 256, 16, H200) is None
     assert d.choose_pair(2048, 256, 65536, 16, H200) is None
+
+
+@pytest.mark.parametrize("numel,entries,threads", [
+    (1, 0, 128), (512, 0, 128), (513, 0, 256), (2048, 0, 512), (4096, 0, 1024),
+    (8, 128 * 64 + 1, 256), (8, 10**6, 1024)])
+def test_single_block_size_follows_the_work(numel, entries, threads):
+    assert d.single_block_threads(numel, entries) == threads
+    launch = d.choose_launch(numel, 64, 1, H200, out_entries=entries)
+    assert launch.kind == "single" and launch.block == threads

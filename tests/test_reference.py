@@ -108,7 +108,8 @@ def oracle_processed(max_loras, lora_ids=None, adapter_enabled=None):
     if lora_ids is None:
         slots = set(range(max_loras))
     else:
-        slots = {int(x) for x in lora_ids if 0 <= int(x) < max_loras}
+        # only the contract's max_loras + 1 entries are read; longer arrays' extras are ignored
+        slots = {int(x) for x in list(lora_ids)[: max_loras + 1] if 0 <= int(x) < max_loras}
     if adapter_enabled is not None:
         slots = {s for s in slots if int(adapter_enabled[s]) != 0}
     return slots
