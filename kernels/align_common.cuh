@@ -22,7 +22,8 @@ struct Problem {
   int* counts;                  // scratch [num_buckets]: zero on entry, left zero
   int* starts;                  // scratch [num_buckets + 1]: padded exclusive scan, all rows
   int* cursor;                  // scratch [num_buckets]: next free position of each bucket
-  int* chunk_hist;              // scratch [chunks, num_buckets]: deterministic mode only
+  int* chunk_hist;              // scratch [chunks, num_buckets]: per-chunk offsets (shared and
+                                //   deterministic modes)
   unsigned int* ticket;         // scratch [1]: zero on entry, left zero
   int numel;
   int topk;                     // K: routes per token
@@ -40,6 +41,7 @@ struct Problem {
   int range_width;              // buckets per block (deterministic multi-block kernels)
   int ranges;                   // bucket ranges per chunk (deterministic multi-block kernels)
   int starts_in_smem;           // place kernel: copy starts to shared memory for the tile search
+  int stage_output;             // place kernel (shared mode): stage routes for coalesced stores
   unsigned int topk_magic;      // n / d == (n * magic) >> shift for 0 <= n < 2^31 (host-made)
   int topk_shift;
   unsigned int block_magic;
@@ -48,6 +50,7 @@ struct Problem {
   int experts_shift;
   unsigned int tiles_magic;
   int tiles_shift;
+  int reserved_;                // keeps the size a multiple of 8 bytes
 };
 
 // Division by a divisor fixed per call, as a multiply and a shift (no division instructions).
@@ -204,15 +207,14 @@ __device__ __forceinline__ int padded_count(const Problem& p, int c) {
   return fast_div(c + p.block_size - 1, p.block_magic, p.block_shift) * p.block_size;
 }
 
-// Block-wide exclusive scan of padded counts over all buckets of all rows:
-// out[b] = sum_{b' < b} ceil_B(count(b')), out[n] = total. Each thread scans a contiguous run.
-// `out` may alias the counts when `count` reads the same array (in-place on a thread's run).
-template <typename CountFn>
-__device__ void scan_padded_counts(const Problem& p, int n, CountFn count, int* out, int* warp_sums) {
+// Block-wide exclusive scan: out[b] = sum_{b' < b} value(b'), out[n] = total. Each thread
+// scans a contiguous run; `out` may alias what `value` reads (in place on a thread's run).
+template <typename ValueFn>
+__device__ void scan_block(int n, ValueFn value, int* out, int* warp_sums) {
   const int per = (n + blockDim.x - 1) / blockDim.x;
   const int lo = min(n, (int)threadIdx.x * per), hi = min(n, lo + per);
   int sum = 0;
-  for (int b = lo; b < hi; ++b) sum += padded_count(p, count(b));
+  for (int b = lo; b < hi; ++b) sum += value(b);
   // inclusive scan of the per-thread sums
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   int x = sum;
@@ -233,12 +235,19 @@ __device__ void scan_padded_counts(const Problem& p, int n, CountFn count, int* 
   __syncthreads();
   int run = x - sum + (warp > 0 ? warp_sums[warp - 1] : 0);
   for (int b = lo; b < hi; ++b) {
-    const int c = padded_count(p, count(b));
+    const int c = value(b);
     out[b] = run;
     run += c;
   }
   if (threadIdx.x == blockDim.x - 1) out[n] = run;
   __syncthreads();
+}
+
+// Segment starts: exclusive scan of padded counts over all buckets of all rows.
+template <typename CountFn>
+__device__ __forceinline__ void scan_padded_counts(const Problem& p, int n, CountFn count, int* out,
+                                                   int* warp_sums) {
+  scan_block(n, [&](int b) { return padded_count(p, count(b)); }, out, warp_sums);
 }
 
 // Last bucket b in [lo, hi) with starts[b] <= target: the owner of the tile at `target`

@@ -164,8 +164,9 @@ __global__ void align_count(const Problem p) {
   if (rest < c1) for_routes<IdT>(p, rest + warp * 32 + lane, blockDim.x, c1, count);
   __syncthreads();
   if (MODE == MODE_SHARED) {
+    // Reserve the block's range in every bucket it touches: the place kernel reads it back.
     for (int b = threadIdx.x; b < nb; b += blockDim.x)
-      if (hist[b] != 0) atomicAdd(p.counts + b, hist[b]);
+      if (hist[b] != 0) p.chunk_hist[(long long)blockIdx.x * nb + b] = atomicAdd(p.counts + b, hist[b]);
   } else if (MODE == MODE_DETERMINISTIC) {
     for (int b = threadIdx.x; b < hi_b - lo_b; b += blockDim.x) {
       p.chunk_hist[(long long)chunk * nb + lo_b + b] = hist[b];
@@ -184,7 +185,7 @@ __global__ void align_count(const Problem p) {
   const int E = p.num_experts;
   for (int b = threadIdx.x; b < nb; b += blockDim.x) {
     p.counts[b] = 0;
-    if (MODE != MODE_DETERMINISTIC) p.cursor[b] = p.starts[b] - p.starts[row_of(p, b) * E];
+    if (MODE == MODE_GLOBAL) p.cursor[b] = p.starts[b] - p.starts[row_of(p, b) * E];
   }
   if (MODE == MODE_DETERMINISTIC) {
     // Exclusive prefix over chunks of every bucket: where each chunk's routes start.
@@ -204,9 +205,10 @@ __global__ void align_count(const Problem p) {
 }
 
 // Multi-block, stage 2: expert ids of every tile, then every route to its position.
-// After the row region: SHARED: hist[nb] | DET: warp_counts[nwarps * range_width] ushort,
-// offsets[range_width] int | then, with p.starts_in_smem, starts[nb + 1] ints copied from
-// global memory so the tile search of expert_ids runs in shared memory.
+// After the row region: SHARED: hist[nb + 1], base[nb] ints | DET: warp_counts[nwarps *
+// range_width] ushort, offsets[range_width] int | then, with p.starts_in_smem, starts[nb + 1]
+// ints copied from global memory so the tile search of expert_ids runs in shared memory |
+// then, with p.stage_output (SHARED), value[chunk] and position[chunk] ints of the staging.
 template <typename IdT, int MODE>
 __global__ void align_place(const Problem p) {
   const int nb = num_buckets(p), E = p.num_experts;
@@ -216,7 +218,7 @@ __global__ void align_place(const Problem p) {
   int* hist = reinterpret_cast<int*>(after_rows);
   unsigned short* warp_counts = reinterpret_cast<unsigned short*>(after_rows);
   int* offsets = reinterpret_cast<int*>(warp_counts + nwarps * p.range_width);
-  const int head = MODE == MODE_SHARED ? 4 * nb
+  const int head = MODE == MODE_SHARED ? 4 * (2 * nb + 1)
                    : MODE == MODE_DETERMINISTIC ? (2 * nwarps + 4) * p.range_width : 0;
   // Segment starts for the tile search: a shared copy when the host granted room for it.
   int* starts_copy = reinterpret_cast<int*>(after_rows + head);
@@ -246,6 +248,7 @@ __global__ void align_place(const Problem p) {
                    blockIdx.x * blockDim.x + threadIdx.x, gridDim.x * blockDim.x);
 
   if (MODE == MODE_SHARED) {
+    __shared__ int warp_sums[32];
     int bucket[ITEMS_PER_THREAD], rank[ITEMS_PER_THREAD];
 #pragma unroll
     for (int j = 0; j < ITEMS_PER_THREAD; ++j) {
@@ -253,15 +256,34 @@ __global__ void align_place(const Problem p) {
       rank[j] = claim(hist, bucket[j]);
     }
     __syncthreads();
-    // One global reservation per (block, bucket): the block's routes take a contiguous range.
-    for (int b = threadIdx.x; b < nb; b += blockDim.x)
-      if (hist[b] != 0) hist[b] = atomicAdd(p.cursor + b, hist[b]);
-    __syncthreads();
+    // Where this block's routes of each bucket start in the output (reserved by align_count).
+    int* base = hist + nb + 1;
+    const int* st = local_starts ? starts_copy : p.starts;
+    for (int b = threadIdx.x; b < nb; b += blockDim.x) {
+      if (hist[b] == 0) continue;
+      const int r = row_of(p, b);
+      base[b] = r * p.sorted_pitch + st[b] - st[r * E] + p.chunk_hist[(long long)blockIdx.x * nb + b];
+    }
+    if (!p.stage_output) {
+      __syncthreads();
 #pragma unroll
-    for (int j = 0; j < ITEMS_PER_THREAD; ++j)
-      if (bucket[j] >= 0)
-        p.sorted_ids[(long long)row_of(p, bucket[j]) * p.sorted_pitch + hist[bucket[j]] + rank[j]] =
-            c0 + j * blockDim.x + threadIdx.x;
+      for (int j = 0; j < ITEMS_PER_THREAD; ++j)
+        if (bucket[j] >= 0) p.sorted_ids[base[bucket[j]] + rank[j]] = c0 + j * blockDim.x + threadIdx.x;
+      return;
+    }
+    // Stage the routes in output order, then store runs of consecutive positions together.
+    int* value = reinterpret_cast<int*>(after_rows + head + (local_starts ? 4 * (nb + 1) : 0));
+    int* position = value + p.chunk;
+    scan_block(nb, [&](int b) { return hist[b]; }, hist, warp_sums);  // hist := block offsets
+#pragma unroll
+    for (int j = 0; j < ITEMS_PER_THREAD; ++j) {
+      if (bucket[j] < 0) continue;
+      const int k = hist[bucket[j]] + rank[j];
+      value[k] = c0 + j * blockDim.x + threadIdx.x;
+      position[k] = base[bucket[j]] + rank[j];
+    }
+    __syncthreads();
+    for (int k = threadIdx.x; k < hist[nb]; k += blockDim.x) p.sorted_ids[position[k]] = value[k];
   } else if (MODE == MODE_GLOBAL) {
     for_routes<IdT>(p, c0 + warp * 32 + lane, blockDim.x, c1, [&](int i, Route r) {
       const int b = bucket_of(p, r, processed);

@@ -44,6 +44,7 @@ class Launch:
     smem_count: int = 0       # dynamic shared bytes of the count kernel
     smem_place: int = 0       # dynamic shared bytes of the place kernel
     starts_in_smem: bool = False  # place kernel copies the segment starts to shared memory
+    stage_output: bool = False    # place kernel stages routes for coalesced stores (shared)
 
     @property
     def mode(self) -> int:
@@ -130,11 +131,19 @@ def choose_launch(numel: int, num_buckets: int, rows: int, limits: DeviceLimits,
         per_sm = _ceil_div(max(numel, 1), limits.sm_count)
         chunk = min(SINGLE_BLOCK_MAX_ROUTES, max(BLOCK, _ceil_div(per_sm, BLOCK) * BLOCK))
         grid = max(1, _ceil_div(numel, chunk))
-        hist = 4 * num_buckets if chosen == "shared" else 0
-        smem = hist + row_region_bytes(rows) + SMEM_SLACK
-        copy, place = _with_starts_copy(smem, num_buckets, limits)
+        rows_smem = row_region_bytes(rows) + SMEM_SLACK
+        if chosen == "global":
+            copy, place = _with_starts_copy(rows_smem, num_buckets, limits)
+            return Launch(chosen, "multi", False, BLOCK, grid=grid, chunk=chunk,
+                          smem_count=rows_smem, smem_place=place, starts_in_smem=copy)
+        # Shared: counts and block bases, then staging, then the starts copy, as room allows.
+        place = rows_smem + 4 * (2 * num_buckets + 1)
+        stage = place + 8 * chunk <= limits.smem_optin
+        place += 8 * chunk if stage else 0
+        copy, place = _with_starts_copy(place, num_buckets, limits)
         return Launch(chosen, "multi", False, BLOCK, grid=grid, chunk=chunk,
-                      smem_count=smem, smem_place=place, starts_in_smem=copy)
+                      smem_count=rows_smem + 4 * num_buckets, smem_place=place,
+                      starts_in_smem=copy, stage_output=stage)
 
     # Deterministic: blocks tile (chunk, bucket range); per-warp counters cover one range.
     warps = BLOCK // 32

@@ -20,12 +20,12 @@ _POINTERS = ("topk_ids", "token_slot", "lora_ids", "adapter_enabled", "expert_ma
              "counts", "starts", "cursor", "chunk_hist", "ticket")
 _INTS = ("numel", "topk", "num_experts", "block_size", "rows", "lora_ids_len", "padded_len",
          "num_tiles", "sorted_pitch", "expert_pitch", "map_mode", "fill_unprocessed", "chunk",
-         "range_width", "ranges", "starts_in_smem")
+         "range_width", "ranges", "starts_in_smem", "stage_output")
 _DIVISORS = ("topk", "block", "experts", "tiles")
 _MAGICS = tuple(x for d in _DIVISORS for x in ((d + "_magic", np.uint32), (d + "_shift", np.int32)))
 # Mirrors kernels/align_common.cuh: struct Problem.
 PROBLEM_DTYPE = np.dtype([(n, np.uint64) for n in _POINTERS] + [(n, np.int32) for n in _INTS]
-                         + list(_MAGICS), align=True)
+                         + list(_MAGICS) + [("reserved_", np.int32)], align=True)
 
 MAP_NONE, MAP_BEFORE, MAP_AFTER = 0, 1, 2
 
@@ -100,7 +100,7 @@ def _ptr(x) -> int:
 
 
 # Little-endian, no padding: pointers, ints, then (magic, shift) pairs: PROBLEM_DTYPE's layout.
-_PACKER = struct.Struct("<%dQ%di%s" % (len(_POINTERS), len(_INTS), "Ii" * len(_DIVISORS)))
+_PACKER = struct.Struct("<%dQ%di%si" % (len(_POINTERS), len(_INTS), "Ii" * len(_DIVISORS)))
 assert _PACKER.size == PROBLEM_DTYPE.itemsize
 
 
@@ -124,9 +124,9 @@ def pack(job: Job, launch: _dispatch.Launch, ws: Workspace) -> np.void:
         0 if job.lora_ids is None else int(job.lora_ids.shape[0]), job.padded_len,
         job.num_tiles, job.sorted_pitch, job.expert_pitch, job.map_mode,
         int(job.fill_unprocessed), launch.chunk, launch.range_width, launch.ranges,
-        int(launch.starts_in_smem), *division_magic(max(job.topk, 1)),
+        int(launch.starts_in_smem), int(launch.stage_output), *division_magic(max(job.topk, 1)),
         *division_magic(job.block_size), *division_magic(job.num_experts),
-        *division_magic(max(job.num_tiles, 1)))
+        *division_magic(max(job.num_tiles, 1)), 0)
     return np.frombuffer(raw, dtype=PROBLEM_DTYPE)[0]
 
 
@@ -142,7 +142,9 @@ def out_entries(job: Job) -> int:
 
 
 def workspace_needs(launch: _dispatch.Launch, num_buckets: int):
-    matrix = (launch.grid // launch.ranges) * num_buckets if launch.deterministic else 0
+    # Per-chunk offsets of every bucket: deterministic and shared multi-block modes.
+    matrix = (launch.grid // launch.ranges) * num_buckets if launch.mode in (0, 2) and \
+        launch.kind == "multi" else 0
     return num_buckets, matrix
 
 
