@@ -89,6 +89,7 @@ class Job:
     scatter_idx: object = None
     fill_unprocessed: bool = False
     deterministic: bool = False
+    result: object = None       # AlignPlan: the cached result views of this job
 
     @property
     def num_buckets(self) -> int:

@@ -20,6 +20,17 @@ from ._streams import side_streams
 from .api import Alignment, LoraAlignment
 
 
+def _on_device(device_id):
+    """A context that makes ``device_id`` current, free when it already is."""
+    import contextlib
+
+    import cupy
+
+    if cupy.cuda.runtime.getDevice() == device_id:
+        return contextlib.nullcontext()
+    return cupy.cuda.Device(device_id)
+
+
 class AlignPlan:
     """Preallocated base (and optionally LoRA) alignment on one GPU.
 
@@ -73,6 +84,8 @@ class AlignPlan:
                               cupy.empty(self.max_tiles, np.int32), cupy.empty(1, np.int32))
             self._base_ws = Workspace(self.device_id)
             self._launches = {}
+            self._jobs_cache = {}
+            self._stream_choice = {}
             if self.max_loras is not None:
                 self._lora_out = (cupy.empty(rows * self.max_padded, np.int32),
                                   cupy.empty(rows * self.max_tiles, np.int32),
@@ -146,27 +159,40 @@ class AlignPlan:
         return framework, native, T * K
 
     def _jobs(self, native, numel):
-        P, M, base_launch, lora_launch = self._geometry(numel)
+        """The two jobs of one size, built once and cached (outputs are fixed views); each
+        call only points them at its inputs. A plan is therefore not thread-safe."""
+        cached = self._jobs_cache.get(numel)
+        if cached is None:
+            cached = self._jobs_cache[numel] = self._build_jobs(numel)
+        base, base_launch, lora, lora_launch = cached
         ids = native["topk_ids"].reshape(-1)
         emap = native["expert_map"]
-        base_mode = MAP_NONE if emap is None else (
+        base.topk_ids, base.expert_map = ids, emap
+        base.map_mode = MAP_NONE if emap is None else (
             MAP_BEFORE if self.ignore_invalid_experts else MAP_AFTER)
+        if lora is not None:
+            lora.topk_ids, lora.expert_map = ids, emap
+            lora.map_mode = MAP_NONE if emap is None else MAP_BEFORE  # LoRA always maps first
+            lora.token_slot = native["token_lora_mapping"]
+            lora.lora_ids, lora.adapter_enabled = native["lora_ids"], native["adapter_enabled"]
+        return base, base_launch, lora, lora_launch
+
+    def _build_jobs(self, numel):
+        P, M, base_launch, lora_launch = self._geometry(numel)
         s, e, n = self._base_out
-        common = dict(topk_ids=ids, numel=numel, topk=self.topk, num_experts=self.num_experts,
+        common = dict(topk_ids=None, numel=numel, topk=self.topk, num_experts=self.num_experts,
                       block_size=self.block_size, padded_len=P, num_tiles=M,
-                      sorted_pitch=P, expert_pitch=M, expert_map=emap,
-                      fill_unprocessed=True, deterministic=self.deterministic)
-        base = Job(rows=1, sorted_ids=s[:P], expert_ids=e[:M], num_post_pad=n,
-                   map_mode=base_mode, **common)
+                      sorted_pitch=P, expert_pitch=M, fill_unprocessed=True,
+                      deterministic=self.deterministic)
+        base = Job(rows=1, sorted_ids=s[:P], expert_ids=e[:M], num_post_pad=n, **common)
+        base.result = Alignment(base.sorted_ids, base.expert_ids, base.num_post_pad)
         lora = None
         if self.max_loras is not None:
             rows = self.max_loras
             s, e, n = self._lora_out
             lora = Job(rows=rows, sorted_ids=s[:rows * P].reshape(rows, P),
-                       expert_ids=e[:rows * M].reshape(rows, M), num_post_pad=n,
-                       map_mode=MAP_NONE if emap is None else MAP_BEFORE,
-                       token_slot=native["token_lora_mapping"], lora_ids=native["lora_ids"],
-                       adapter_enabled=native["adapter_enabled"], **common)
+                       expert_ids=e[:rows * M].reshape(rows, M), num_post_pad=n, **common)
+            lora.result = LoraAlignment(lora.sorted_ids, lora.expert_ids, lora.num_post_pad)
         return base, base_launch, lora, lora_launch
 
     def __call__(self, topk_ids, token_lora_mapping=None, *, lora_ids=None,
@@ -174,27 +200,33 @@ class AlignPlan:
         """Align one batch; returns ``Alignment`` or, with ``max_loras``, ``(Alignment,
         LoraAlignment)``, as views of the plan's buffers, ordered on ``stream`` (default:
         the current stream of the input's framework)."""
-        import cupy
-
         framework, native, numel = self._inputs(topk_ids, token_lora_mapping, lora_ids,
                                                 adapter_enabled, expert_map)
         base, base_launch, lora, lora_launch = self._jobs(native, numel)
-        with cupy.cuda.Device(self.device_id):
+        with _on_device(self.device_id):
             s = _interop.caller_stream(framework, self.device_id, stream)
             if lora is None:
                 launch_one(base, base_launch, self._base_ws, s, self.device_id)
             else:
                 self._run_both(base, base_launch, lora, lora_launch, s,
                                streams if streams is not None else self.streams)
-        wrap = (lambda x: _interop.from_native(x, framework))
-        out = Alignment(wrap(base.sorted_ids), wrap(base.expert_ids), wrap(base.num_post_pad))
+        out = base.result
+        if framework != "cupy":
+            out = Alignment(*(_interop.from_native(x, framework) for x in out))
         if lora is None:
             return out
-        return out, LoraAlignment(wrap(lora.sorted_ids), wrap(lora.expert_ids),
-                                  wrap(lora.num_post_pad))
+        lora_out = lora.result
+        if framework != "cupy":
+            lora_out = LoraAlignment(*(_interop.from_native(x, framework) for x in lora_out))
+        return out, lora_out
 
     def _run_both(self, base, base_launch, lora, lora_launch, caller, streams):
-        mode, pair = choose_streams(base, lora, self.device_id, streams, self.variant)
+        key = (base.numel, streams)
+        choice = self._stream_choice.get(key)
+        if choice is None:
+            choice = self._stream_choice[key] = choose_streams(base, lora, self.device_id,
+                                                               streams, self.variant)
+        mode, pair = choice
         if mode == "fused":
             launch_pair(base, lora, pair, self._base_ws, self._lora_ws, caller, self.device_id)
         elif mode == "one":
