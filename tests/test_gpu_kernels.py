@@ -116,32 +116,21 @@ def _lora_case(E, T, variant, deterministic, salt, *, max_loras=None, with_ids=T
 GRID = list(itertools.product(EXPERTS, TOKENS))
 
 
+@pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
 @pytest.mark.parametrize("variant", ["shared", "global"])
 @pytest.mark.parametrize("E,T", GRID)
-def test_base(E, T, variant):
-    _base_case(E, T, variant, False, salt=1)
+def test_base(E, T, variant, det):
+    _base_case(E, T, variant, det, salt=1 + det)
 
 
+@pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
 @pytest.mark.parametrize("variant", ["shared", "global"])
 @pytest.mark.parametrize("E,T", GRID)
-def test_base_deterministic(E, T, variant):
-    _base_case(E, T, variant, True, salt=2)
-
-
-@pytest.mark.parametrize("variant", ["shared", "global"])
-@pytest.mark.parametrize("E,T", GRID)
-def test_lora(E, T, variant):
-    if variant == "shared" and (1, 4, 16)[(E + T + 3) % 3] * E * 4 > 200_000:
+def test_lora(E, T, variant, det):
+    salt = 3 + det
+    if variant == "shared" and (1, 4, 16)[(E + T + salt) % 3] * E * 4 > 200_000:
         pytest.skip("too many buckets for the shared variant (covered by the dispatcher test)")
-    _lora_case(E, T, variant, False, salt=3)
-
-
-@pytest.mark.parametrize("variant", ["shared", "global"])
-@pytest.mark.parametrize("E,T", GRID)
-def test_lora_deterministic(E, T, variant):
-    if variant == "shared" and (1, 4, 16)[(E + T + 4) % 3] * E * 4 > 200_000:
-        pytest.skip("too many buckets for the shared variant")
-    _lora_case(E, T, variant, True, salt=4)
+    _lora_case(E, T, variant, det, salt=salt)
 
 
 @pytest.mark.parametrize("mode", ["before", "after"])

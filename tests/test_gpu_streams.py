@@ -170,22 +170,30 @@ def test_plan_graph_capture_replays_new_inputs(T, E, K, B, L, streams):
             _check(base, lora, ids, mapping, lora_ids, enabled, B, E, L)
 
 
+def _capture_and_replay(stream, call, refill):
+    """Warm ``call`` up, capture it on ``stream``, run ``refill`` (new input values in the
+    same buffers), replay the graph; returns what the captured call returned."""
+    with stream:
+        call()
+        stream.synchronize()
+        stream.begin_capture()
+        res = call()
+        graph = stream.end_capture()
+        refill()
+        graph.launch(stream)
+        stream.synchronize()
+    return res
+
+
 def test_plan_base_only_graph_capture():
     T, E, K, B = 256, 256, 8, 16
     plan = mla.AlignPlan(T, K, E, B, deterministic=True)
     rng = np.random.default_rng(21)
     d_ids = cupy.asarray(make_routing(rng, T, K, E))
     stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:
-        plan(d_ids, stream=stream)
-        stream.synchronize()
-        stream.begin_capture()
-        res = plan(d_ids, stream=stream)
-        graph = stream.end_capture()
-        ids = make_routing(rng, T, K, E)
-        d_ids.set(ids, stream=stream)
-        graph.launch(stream)
-        stream.synchronize()
+    ids = make_routing(rng, T, K, E)
+    res = _capture_and_replay(stream, lambda: plan(d_ids, stream=stream),
+                              lambda: d_ids.set(ids, stream=stream))
     ref = mla.moe_align_block_size(ids, B, E)
     for a, b in zip(res, ref):
         np.testing.assert_array_equal(cupy.asnumpy(a), b)
@@ -212,16 +220,11 @@ def test_public_function_with_out_buffers_captures():
     P, M = mla.buffer_sizes(T * K, E, B)
     out = [cupy.empty(P, np.int32), cupy.empty(M, np.int32), cupy.empty(1, np.int32)]
     stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:
-        mla.moe_align_block_size(d_ids, B, E, out=out, deterministic=True)
-        stream.synchronize()
-        stream.begin_capture()
-        mla.moe_align_block_size(d_ids, B, E, out=out, deterministic=True)
-        graph = stream.end_capture()
-        ids = make_routing(rng, T, K, E)
-        d_ids.set(ids, stream=stream)
-        graph.launch(stream)
-        stream.synchronize()
+    ids = make_routing(rng, T, K, E)
+    _capture_and_replay(stream,
+                        lambda: mla.moe_align_block_size(d_ids, B, E, out=out,
+                                                         deterministic=True),
+                        lambda: d_ids.set(ids, stream=stream))
     ref = mla.moe_align_block_size(ids, B, E)
     for a, b in zip(out, ref):
         np.testing.assert_array_equal(cupy.asnumpy(a), b)
