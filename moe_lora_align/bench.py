@@ -314,11 +314,18 @@ def versions():
 
 
 def _git_commit():
+    """The checkout's commit: from git, else from a COMMIT file at the repository root (the
+    GPU machine gets a copy of the tree without .git)."""
+    root = Path(__file__).resolve().parent.parent
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, cwd=Path(__file__).parent).stdout.strip() or None
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, cwd=root).stdout.strip()
+        if out:
+            return out
     except OSError:
-        return None
+        pass
+    marker = root / "COMMIT"
+    return marker.read_text().strip() or None if marker.is_file() else None
 
 
 def fmt(x, width=8):
