@@ -188,11 +188,28 @@ __global__ void align_count(const Problem p) {
     if (MODE == MODE_GLOBAL) p.cursor[b] = p.starts[b] - p.starts[row_of(p, b) * E];
   }
   if (MODE == MODE_DETERMINISTIC) {
-    // Exclusive prefix over chunks of every bucket: where each chunk's routes start.
+    // Exclusive prefix over chunks of every bucket: where each chunk's routes start. When
+    // buckets are fewer than threads, `parts` neighbouring lanes split a bucket's chunks.
     const int chunks = gridDim.x / p.ranges;
-    for (int b = threadIdx.x; b < nb; b += blockDim.x) {
-      int run = 0;
-      for (int c = 0; c < chunks; ++c) {
+    int parts = 1;
+    while (parts < 32 && parts * 2 * nb <= (int)blockDim.x) parts *= 2;
+    const int per_part = (chunks + parts - 1) / parts, part = threadIdx.x & (parts - 1);
+    const int c_lo = min(chunks, part * per_part), c_hi = min(chunks, c_lo + per_part);
+    for (int first = 0; first < nb; first += blockDim.x / parts) {
+      const int b = first + threadIdx.x / parts;
+      int sum = 0;
+      if (b < nb) {
+#pragma unroll 8
+        for (int c = c_lo; c < c_hi; ++c) sum += __ldcg(p.chunk_hist + (long long)c * nb + b);
+      }
+      int inclusive = sum;
+      for (int d = 1; d < parts; d <<= 1) {
+        const int y = __shfl_up_sync(MLA_FULL_MASK, inclusive, d, parts);
+        if (part >= d) inclusive += y;
+      }
+      if (b >= nb) continue;
+      int run = inclusive - sum;
+      for (int c = c_lo; c < c_hi; ++c) {
         const long long k = (long long)c * nb + b;
         const int v = __ldcg(p.chunk_hist + k);
         p.chunk_hist[k] = run;

@@ -152,7 +152,7 @@ def choose_launch(numel: int, num_buckets: int, rows: int, limits: DeviceLimits,
     width = max(2, width - width % 32 if width >= 32 else width + (width & 1))
     ranges = _ceil_div(num_buckets, width)
     min_chunks = max(1, _ceil_div(numel, WARP_COUNTER_MAX))
-    want = max(1, _ceil_div(2 * limits.sm_count, ranges))
+    want = max(1, _ceil_div(limits.sm_count, ranges))
     budget = max(1, CHUNK_MATRIX_BUDGET // num_buckets)
     chunks = max(min_chunks, min(want, budget, max(1, _ceil_div(numel, BLOCK))))
     chunk = max(1, _ceil_div(numel, chunks))
