@@ -6,6 +6,7 @@ the scratch workspaces. A call allocates nothing beyond the outputs it returns.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import struct
 from dataclasses import dataclass
@@ -46,6 +47,7 @@ class Workspace:
         self.device_id = device_id
         self.buckets = -1
         self.matrix = -1
+        self.generation = 0  # bumped on every reallocation: packed arguments hold its pointers
 
     def ensure(self, num_buckets: int, matrix_entries: int):
         import cupy
@@ -62,6 +64,7 @@ class Workspace:
             self.chunk_hist = self.buf[3 * nb + 1:3 * nb + 1 + nm]
             self.ticket = self.buf[3 * nb + 1 + nm:]
             self.buckets, self.matrix = nb, nm
+            self.generation += 1
         return self
 
 
@@ -90,6 +93,8 @@ class Job:
     fill_unprocessed: bool = False
     deterministic: bool = False
     result: object = None       # AlignPlan: the cached result views of this job
+    packed: object = None       # the packed kernel argument and what it was packed for
+    packed_key: object = None
 
     @property
     def num_buckets(self) -> int:
@@ -114,8 +119,19 @@ def division_magic(d: int):
     return -(-(1 << (31 + bits)) // d), 31 + bits
 
 
+_INPUT_POINTERS = struct.Struct("<5Q")  # the first five fields: the call's input arrays
+
+
 def pack(job: Job, launch: _dispatch.Launch, ws: Workspace) -> np.void:
-    """The kernels' ``Problem`` argument for one job (one struct.pack: cheap on the hot path)."""
+    """The kernels' ``Problem`` argument for one job. A job reused with the same launch and
+    workspace (AlignPlan) keeps its packed bytes and only rewrites the input pointers."""
+    key = (launch, id(ws), ws.generation, job.map_mode,
+           0 if job.lora_ids is None else int(job.lora_ids.shape[0]))
+    if job.packed is not None and job.packed_key == key:
+        _INPUT_POINTERS.pack_into(job.packed, 0, _ptr(job.topk_ids), _ptr(job.token_slot),
+                                  _ptr(job.lora_ids), _ptr(job.adapter_enabled),
+                                  _ptr(job.expert_map))
+        return np.frombuffer(job.packed, dtype=PROBLEM_DTYPE)[0]
     raw = _PACKER.pack(
         _ptr(job.topk_ids), _ptr(job.token_slot), _ptr(job.lora_ids),
         _ptr(job.adapter_enabled), _ptr(job.expert_map), _ptr(job.sorted_ids),
@@ -128,7 +144,8 @@ def pack(job: Job, launch: _dispatch.Launch, ws: Workspace) -> np.void:
         int(launch.starts_in_smem), int(launch.stage_output), *division_magic(max(job.topk, 1)),
         *division_magic(job.block_size), *division_magic(job.num_experts),
         *division_magic(max(job.num_tiles, 1)), 0)
-    return np.frombuffer(raw, dtype=PROBLEM_DTYPE)[0]
+    job.packed, job.packed_key = bytearray(raw), key
+    return np.frombuffer(job.packed, dtype=PROBLEM_DTYPE)[0]
 
 
 def plan_launch(job: Job, device_id: int, variant=None) -> _dispatch.Launch:
@@ -155,7 +172,7 @@ def launch_one(job: Job, launch: _dispatch.Launch, ws: Workspace, stream, device
     ks = kernels_for(job.topk_ids.dtype, device_id,
                      device_limits(device_id).smem_optin)
     args = (pack(job, launch, ws),)
-    with stream:  # CuPy launches on the current stream
+    with _current(stream):  # CuPy launches on the current stream
         if launch.kind == "single":
             ks[("single", launch.deterministic)]((1,), (launch.block,), args,
                                                  shared_mem=launch.smem_single)
@@ -166,6 +183,15 @@ def launch_one(job: Job, launch: _dispatch.Launch, ws: Workspace, stream, device
                                    shared_mem=launch.smem_place)
 
 
+def _current(stream):
+    """``stream`` as the current stream; free when it already is."""
+    import cupy
+
+    if cupy.cuda.get_current_stream().ptr == stream.ptr:
+        return contextlib.nullcontext()
+    return stream
+
+
 def launch_pair(base: Job, lora: Job, launch: _dispatch.Launch, ws_base: Workspace,
                 ws_lora: Workspace, stream, device_id: int):
     """Both alignments in one launch of two blocks (decode sizes)."""
@@ -174,7 +200,7 @@ def launch_pair(base: Job, lora: Job, launch: _dispatch.Launch, ws_base: Workspa
     ws_base.ensure(1, 0)
     ws_lora.ensure(1, 0)
     args = (pack(base, launch, ws_base), pack(lora, launch, ws_lora))
-    with stream:
+    with _current(stream):
         ks[("pair", launch.deterministic)]((2,), (launch.block,), args,
                                            shared_mem=launch.smem_single)
 
