@@ -227,6 +227,13 @@ def check_capturable(stream, needs_alloc: bool, what: str):
         raise RuntimeError(f"{what} {CAPTURE_HINT}")
 
 
+def _ready(ws: Workspace, launch: _dispatch.Launch, job: Job, device_id: int) -> bool:
+    """True when ``launch`` of ``job`` would allocate nothing and load no kernel."""
+    nb, nm = workspace_needs(launch, job.num_buckets)
+    return ws.buckets >= nb and ws.matrix >= nm and kernels_loaded(job.topk_ids.dtype,
+                                                                   device_id)
+
+
 def run(job: Job, device_id: int, framework: str, *, variant=None, stream=None,
         needs_alloc=False):
     """Launch one alignment from the public functions on the caller's stream."""
@@ -238,12 +245,8 @@ def run(job: Job, device_id: int, framework: str, *, variant=None, stream=None,
         s = caller_stream(framework, device_id, stream)
         launch = plan_launch(job, device_id, variant)
         ws = workspace(device_id, s)
-        nb, nm = workspace_needs(launch, job.num_buckets)
-        cold = ws.buckets < nb or ws.matrix < nm or not kernels_loaded(job.topk_ids.dtype, device_id)
-        check_capturable(s, needs_alloc or cold, "this call")
+        check_capturable(s, needs_alloc or not _ready(ws, launch, job, device_id), "this call")
         launch_one(job, launch, ws, s, device_id)
-
-
 
 
 STREAM_MODES = ("fused", "one", "two")
@@ -268,6 +271,20 @@ def choose_streams(base: Job, lora: Job, device_id: int, streams=None, variant=N
     return streams, pair
 
 
+def issue_both(mode, pair, base, base_launch, base_ws, lora, lora_launch, lora_ws, caller,
+               device_id, sides=None):
+    """Enqueue base and LoRA alignment after the work on ``caller`` as ``mode`` says: one
+    fused launch, both on ``caller``, or forked onto the two ``sides`` streams and joined."""
+    if mode == "fused":
+        launch_pair(base, lora, pair, base_ws, lora_ws, caller, device_id)
+    elif mode == "one":
+        launch_one(lora, lora_launch, lora_ws, caller, device_id)
+        launch_one(base, base_launch, base_ws, caller, device_id)
+    else:
+        sides.run(caller, lambda st: launch_one(lora, lora_launch, lora_ws, st, device_id),
+                  lambda st: launch_one(base, base_launch, base_ws, st, device_id))
+
+
 def run_pair(base: Job, lora: Job, device_id: int, framework: str, *, streams=None,
              variant=None, stream=None, needs_alloc=False):
     """Launch base and LoRA alignment together, ordered on the caller's stream."""
@@ -279,30 +296,16 @@ def run_pair(base: Job, lora: Job, device_id: int, framework: str, *, streams=No
     with cupy.cuda.Device(device_id):
         s = caller_stream(framework, device_id, stream)
         mode, pair = choose_streams(base, lora, device_id, streams, variant)
+        sides = side_streams(device_id) if mode == "two" else None
+        first, second = (sides.first, sides.second) if sides else (s, s)
+        ws_b, ws_l = workspace(device_id, second, "base"), workspace(device_id, first, "lora")
         if mode == "fused":
-            ws_b, ws_l = workspace(device_id, s, "base"), workspace(device_id, s, "lora")
-            cold = ws_b.buckets < 1 or ws_l.buckets < 1
-            check_capturable(s, needs_alloc or cold or not kernels_loaded(base.topk_ids.dtype,
-                                                                          device_id), "this call")
-            launch_pair(base, lora, pair, ws_b, ws_l, s, device_id)
-            return mode
-        lb, ll = plan_launch(base, device_id, variant), plan_launch(lora, device_id, variant)
-        if mode == "one":
-            targets = (s, s)
+            lb = ll = pair
+            cold = ws_b.buckets < 1 or ws_l.buckets < 1 or not kernels_loaded(
+                base.topk_ids.dtype, device_id)
         else:
-            sides = side_streams(device_id)
-            targets = (sides.first, sides.second)
-        ws_b = workspace(device_id, targets[0], "base")
-        ws_l = workspace(device_id, targets[1], "lora")
-        nb_b, nm_b = workspace_needs(lb, base.num_buckets)
-        nb_l, nm_l = workspace_needs(ll, lora.num_buckets)
-        cold = (ws_b.buckets < nb_b or ws_b.matrix < nm_b or ws_l.buckets < nb_l
-                or ws_l.matrix < nm_l or not kernels_loaded(base.topk_ids.dtype, device_id))
+            lb, ll = plan_launch(base, device_id, variant), plan_launch(lora, device_id, variant)
+            cold = not (_ready(ws_b, lb, base, device_id) and _ready(ws_l, ll, lora, device_id))
         check_capturable(s, needs_alloc or cold, "this call")
-        if mode == "one":
-            launch_one(lora, ll, ws_l, s, device_id)
-            launch_one(base, lb, ws_b, s, device_id)
-        else:
-            sides.run(s, lambda st: launch_one(lora, ll, ws_l, st, device_id),
-                      lambda st: launch_one(base, lb, ws_b, st, device_id))
+        issue_both(mode, pair, base, lb, ws_b, lora, ll, ws_l, s, device_id, sides)
         return mode

@@ -14,7 +14,7 @@ from . import _checks, _interop
 from ._dispatch import choose_launch
 from ._kernels import kernels_for
 from ._launch import (MAP_AFTER, MAP_BEFORE, MAP_NONE, Job, Workspace, choose_streams,
-                      device_limits, launch_one, launch_pair, workspace_needs)
+                      device_limits, issue_both, launch_one, workspace_needs)
 from ._sizes import buffer_sizes
 from ._streams import side_streams
 from .api import Alignment, LoraAlignment
@@ -227,14 +227,6 @@ class AlignPlan:
             choice = self._stream_choice[key] = choose_streams(base, lora, self.device_id,
                                                                streams, self.variant)
         mode, pair = choice
-        if mode == "fused":
-            launch_pair(base, lora, pair, self._base_ws, self._lora_ws, caller, self.device_id)
-        elif mode == "one":
-            launch_one(lora, lora_launch, self._lora_ws, caller, self.device_id)
-            launch_one(base, base_launch, self._base_ws, caller, self.device_id)
-        else:
-            self._sides.run(
-                caller,
-                lambda st: launch_one(lora, lora_launch, self._lora_ws, st, self.device_id),
-                lambda st: launch_one(base, base_launch, self._base_ws, st, self.device_id))
+        issue_both(mode, pair, base, base_launch, self._base_ws, lora, lora_launch,
+                   self._lora_ws, caller, self.device_id, self._sides)
         return mode

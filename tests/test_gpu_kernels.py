@@ -42,8 +42,8 @@ def _base_case(E, T, variant, deterministic, salt, *, expert_map_mode=None, scat
     if scatter:
         host.append(guarded([T * K], np))
         dev.append(guarded([T * K], cupy))
-    ref = mla.moe_align_block_size(ids, B, E, emap, ignore_invalid_experts=ignore,
-                                   return_scatter_idx=scatter, out=[v for _, v in host])
+    mla.moe_align_block_size(ids, B, E, emap, ignore_invalid_experts=ignore,
+                             return_scatter_idx=scatter, out=[v for _, v in host])
     got = mla.moe_align_block_size(cupy.asarray(ids), B, E,
                                    None if emap is None else cupy.asarray(emap),
                                    ignore_invalid_experts=ignore, return_scatter_idx=scatter,

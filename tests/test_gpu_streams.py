@@ -149,7 +149,6 @@ def test_plan_rejects_inputs_beyond_it():
 @pytest.mark.parametrize("T,E,K,B,L", [(64, 128, 8, 16, 4), (8192, 256, 8, 64, 16)])
 def test_plan_graph_capture_replays_new_inputs(T, E, K, B, L, streams):
     plan = mla.AlignPlan(T, K, E, B, max_loras=L, streams=streams)
-    rng = np.random.default_rng(9)
     ids, mapping, lora_ids, enabled = _inputs(T, E, K, L, seed=9)
     d = [cupy.asarray(x) for x in (ids, mapping, lora_ids, enabled)]
     stream = cupy.cuda.Stream(non_blocking=True)
