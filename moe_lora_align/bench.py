@@ -3,8 +3,9 @@
 Times every variant and the public paths over the reference's rows (``data/anchors_h200.json``)
 plus base+LoRA pairs, after checking each result against the NumPy backend. Per row:
 graph-replay microseconds per call (20 calls captured in one CUDA graph, median of many
-replays), eager microseconds per call (launched back to back from Python through an
-``AlignPlan``), and a baseline built only from CuPy library calls, timed in the same run.
+replays), eager microseconds per call (launched back to back from Python: base through an
+``AlignPlan``, LoRA alone through ``moe_lora_align_block_size`` with ``out=`` buffers), and a
+baseline built only from CuPy library calls, timed in the same run.
 Without a GPU it runs the NumPy backend on a small grid and says that GPU figures need a GPU.
 """
 
@@ -197,10 +198,17 @@ def bench_single(row, kind, stream, quick):
         starts = lambda: _starts(ids, E, B)  # noqa: E731
 
     def runner(**opts):
-        plan = mla.AlignPlan(T, K, E, B, max_loras=L, **opts)
+        """A checked callable of the path under test: base through an AlignPlan; LoRA alone
+        through the public function with preallocated out= buffers (capturable once warm)."""
         if L:
-            fn = lambda: plan(d_ids, dm, lora_ids=dl, adapter_enabled=de, stream=stream)[1]  # noqa
+            P, M = mla.buffer_sizes(T * K, E, B)
+            out = [cupy.empty((L, P), np.int32), cupy.empty((L, M), np.int32),
+                   cupy.empty(L, np.int32)]
+            fn = lambda: mla.moe_lora_align_block_size(  # noqa: E731
+                d_ids, dm, B, E, L, lora_ids=dl, adapter_enabled=de, out=out, stream=stream,
+                **opts)
         else:
+            plan = mla.AlignPlan(T, K, E, B, **opts)
             fn = lambda: plan(d_ids, stream=stream)  # noqa: E731
         with stream:
             res = fn()
@@ -240,10 +248,12 @@ def bench_pair(T, E, K, B, L, stream):
     d = [cupy.asarray(x) for x in (ids, mapping, lora_ids, enabled)]
     result = dict(op="pair", tokens=T, num_experts=E, topk=K, block_size=B, max_loras=L)
     base_plan = mla.AlignPlan(T, K, E, B)
-    lora_plan = mla.AlignPlan(T, K, E, B, max_loras=L)
     result["base_graph_us"] = graph_us(lambda: base_plan(d[0], stream=stream), stream)
-    result["lora_graph_us"] = graph_us(
-        lambda: lora_plan(d[0], d[1], lora_ids=d[2], adapter_enabled=d[3], stream=stream),
+    P, M = mla.buffer_sizes(T * K, E, B)
+    out = [cupy.empty((L, P), np.int32), cupy.empty((L, M), np.int32), cupy.empty(L, np.int32)]
+    result["lora_graph_us"] = graph_us(  # LoRA alone: the public function into out= buffers
+        lambda: mla.moe_lora_align_block_size(d[0], d[1], B, E, L, lora_ids=d[2],
+                                              adapter_enabled=d[3], out=out, stream=stream),
         stream)
     ref_b = mla.moe_align_block_size(ids, B, E)
     ref_l = mla.moe_lora_align_block_size(ids, mapping, B, E, L, lora_ids=lora_ids)
