@@ -445,25 +445,32 @@ def main(argv=None):
     results = []
     total = len(jobs) + len(pairs)
     t0 = time.perf_counter()
-    for n, (row, kind) in enumerate(jobs, 1):
+    info = versions()
+
+    def save(first=None):
+        """Write what is measured so far: a run cut short still leaves its rows."""
+        text = f"versions: {info}\n" + table(results)
+        if first is not None:
+            text += f"\nfirst call in a new process (s), cold then warm disk cache: {first}"
+        if args.table:
+            args.table.write_text(text + "\n")
+        if args.json:
+            args.json.write_text(json.dumps({"versions": info, "first_call_s": first,
+                                             "results": results}, indent=1))
+        return text
+
+    for n, p in enumerate(pairs, 1):
+        print(f"[{n:3d}/{total}] pair T={p[0]} E={p[1]} L={p[4]}", file=sys.stderr, flush=True)
+        results.append(bench_pair(*p, stream))
+        save()
+    for n, (row, kind) in enumerate(jobs, len(pairs) + 1):
         print(f"[{n:3d}/{total}] {row['op']} T={row['tokens']} E={row['num_experts']} "
               f"K={row['topk']} L={row.get('max_loras', '-')} {kind} "
               f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
         results.append(bench_single(row, kind, stream, args.quick))
-    for n, p in enumerate(pairs, len(jobs) + 1):
-        print(f"[{n:3d}/{total}] pair T={p[0]} E={p[1]} L={p[4]}", file=sys.stderr, flush=True)
-        results.append(bench_pair(*p, stream))
+        save()
     first = first_call_seconds()
-    text = table(results)
-    text += f"\nfirst call in a new process (s), cold then warm disk cache: {first}"
-    info = versions()
-    text = f"versions: {info}\n" + text
-    print(text)
-    if args.table:
-        args.table.write_text(text + "\n")
-    if args.json:
-        args.json.write_text(json.dumps({"versions": info, "first_call_s": first,
-                                         "results": results}, indent=1))
+    print(save(first))
     if args.plot:
         plot(results, args.plot)
     return 0
