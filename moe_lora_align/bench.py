@@ -202,8 +202,9 @@ def bench_single(row, kind, stream, quick):
         through the public function with preallocated out= buffers (capturable once warm)."""
         if L:
             P, M = mla.buffer_sizes(T * K, E, B)
-            out = [cupy.empty((L, P), np.int32), cupy.empty((L, M), np.int32),
-                   cupy.empty(L, np.int32)]
+            # Rows of slots no call processes keep what out= held: the empty alignment.
+            out = [cupy.full((L, P), T * K, np.int32), cupy.full((L, M), -1, np.int32),
+                   cupy.zeros(L, np.int32)]
             fn = lambda: mla.moe_lora_align_block_size(  # noqa: E731
                 d_ids, dm, B, E, L, lora_ids=dl, adapter_enabled=de, out=out, stream=stream,
                 **opts)
