@@ -53,6 +53,26 @@ struct Problem {
   int reserved_;                // keeps the size a multiple of 8 bytes
 };
 
+// Stage timestamps for scripts/stage_probe.py, compiled in only with -DMLA_PROBE: thread 0 of
+// each block records (SM clock, global nanosecond timer) at MLA_STAMP(kernel, stage) points.
+#ifdef MLA_PROBE
+#define MLA_PROBE_BLOCKS 160
+#define MLA_PROBE_STAGES 8
+__device__ unsigned long long mla_probe[3 * MLA_PROBE_BLOCKS * MLA_PROBE_STAGES * 2];
+__device__ __forceinline__ void mla_stamp(int kernel, int stage) {
+  if (threadIdx.x == 0 && blockIdx.x < MLA_PROBE_BLOCKS) {
+    unsigned long long g;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g));
+    const int k = ((kernel * MLA_PROBE_BLOCKS + blockIdx.x) * MLA_PROBE_STAGES + stage) * 2;
+    mla_probe[k] = clock64();
+    mla_probe[k + 1] = g;
+  }
+}
+#define MLA_STAMP(kernel, stage) mla_stamp(kernel, stage)
+#else
+#define MLA_STAMP(kernel, stage) ((void)0)
+#endif
+
 // Division by a divisor fixed per call, as a multiply and a shift (no division instructions).
 __device__ __forceinline__ int fast_div(int n, unsigned magic, int shift) {
   return (int)(((unsigned long long)(unsigned)n * magic) >> shift);

@@ -46,6 +46,7 @@ __device__ void align_in_one_block(const Problem& p) {
   unsigned char* processed = dynamic_smem;
   int* starts = reinterpret_cast<int*>(dynamic_smem + row_region_bytes(p.rows));
   unsigned short* warp_counts = reinterpret_cast<unsigned short*>(starts + nb + 1);
+  MLA_STAMP(0, 0);
 
   // Non-deterministic: thread t owns routes t, t + blockDim, ...; deterministic: warp w owns
   // a contiguous run, so its counters give ranks in flat-index order.
@@ -62,6 +63,7 @@ __device__ void align_in_one_block(const Problem& p) {
     for (int k = threadIdx.x; k < nwarps * stride; k += blockDim.x) warp_counts[k] = 0;
   mark_processed_rows(p, processed);
   fill_rows(p, processed, p.sorted_ids, p.sorted_pitch, p.padded_len, p.numel, threadIdx.x, blockDim.x);
+  MLA_STAMP(0, 1);
 
   if (!DET) {
     int bucket[ITEMS_PER_THREAD], rank[ITEMS_PER_THREAD];
@@ -73,11 +75,14 @@ __device__ void align_in_one_block(const Problem& p) {
       rank[j] = claim(starts, bucket[j]);
     }
     __syncthreads();
+    MLA_STAMP(0, 2);
     scan_padded_counts(p, nb, [&](int b) { return starts[b]; }, starts, warp_sums);
+    MLA_STAMP(0, 3);
 #pragma unroll
     for (int j = 0; j < ITEMS_PER_THREAD; ++j)
       if (bucket[j] >= 0)
         p.sorted_ids[output_index(p, starts, bucket[j], rank[j])] = j * blockDim.x + threadIdx.x;
+    MLA_STAMP(0, 4);
   } else {
     unsigned short* mine = warp_counts + warp * stride;
     for_routes<IdT>(p, lo + lane, 32, hi, [&](int i, Route r) {
@@ -105,6 +110,10 @@ __device__ void align_in_one_block(const Problem& p) {
   }
   write_expert_ids(p, processed, starts, threadIdx.x, blockDim.x);
   write_totals(p, processed, starts);
+#ifdef MLA_PROBE
+  __syncthreads();
+  MLA_STAMP(0, 5);
+#endif
 }
 
 template <typename IdT, bool DET>
@@ -138,6 +147,7 @@ __global__ void align_count(const Problem p) {
   int* hist = reinterpret_cast<int*>(dynamic_smem + row_region_bytes(p.rows));
   const int hist_len = MODE == MODE_SHARED ? nb : MODE == MODE_DETERMINISTIC ? p.range_width : 0;
   const int c0 = min(p.numel, chunk * p.chunk), c1 = min(p.numel, c0 + p.chunk);
+  MLA_STAMP(1, 0);
 
   Route first[ITEMS_PER_THREAD];  // the first load group, in flight during the set-up below
 #pragma unroll
@@ -147,6 +157,7 @@ __global__ void align_count(const Problem p) {
   mark_processed_rows(p, processed);
   fill_rows(p, processed, p.sorted_ids, p.sorted_pitch, p.padded_len, p.numel,
             blockIdx.x * blockDim.x + threadIdx.x, gridDim.x * blockDim.x);
+  MLA_STAMP(1, 1);
 
   auto count = [&](int i, Route r) {
     int b = bucket_of(p, r, processed);
@@ -163,6 +174,7 @@ __global__ void align_count(const Problem p) {
   const int rest = c0 + ITEMS_PER_THREAD * blockDim.x;  // only deterministic chunks are longer
   if (rest < c1) for_routes<IdT>(p, rest + warp * 32 + lane, blockDim.x, c1, count);
   __syncthreads();
+  MLA_STAMP(1, 2);
   if (MODE == MODE_SHARED) {
     // Reserve the block's range in every bucket it touches: the place kernel reads it back.
     for (int b = threadIdx.x; b < nb; b += blockDim.x)
@@ -175,13 +187,16 @@ __global__ void align_count(const Problem p) {
   }
 
   // The last block to arrive sees every count (classic threadfence + ticket reduction).
+  MLA_STAMP(1, 3);
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) is_last = atomicAdd(p.ticket, 1u) == gridDim.x - 1;
   __syncthreads();
+  MLA_STAMP(1, 4);
   if (!is_last) return;
   __threadfence();
   scan_padded_counts(p, nb, [&](int b) { return __ldcg(p.counts + b); }, p.starts, warp_sums);
+  MLA_STAMP(1, 5);
   const int E = p.num_experts;
   for (int b = threadIdx.x; b < nb; b += blockDim.x) {
     p.counts[b] = 0;
@@ -219,6 +234,10 @@ __global__ void align_count(const Problem p) {
   }
   write_totals(p, processed, p.starts);
   if (threadIdx.x == 0) *p.ticket = 0u;
+#ifdef MLA_PROBE
+  __syncthreads();
+  MLA_STAMP(1, 6);
+#endif
 }
 
 // Multi-block, stage 2: expert ids of every tile, then every route to its position.
@@ -248,6 +267,7 @@ __global__ void align_place(const Problem p) {
     hi_b = min(nb, lo_b + p.range_width);
   }
   const int c0 = min(p.numel, chunk * p.chunk), c1 = min(p.numel, c0 + p.chunk);
+  MLA_STAMP(2, 0);
   Route route[ITEMS_PER_THREAD];
   if (MODE == MODE_SHARED) {
 #pragma unroll
@@ -263,6 +283,7 @@ __global__ void align_place(const Problem p) {
   mark_processed_rows(p, processed);
   write_expert_ids(p, processed, local_starts ? starts_copy : p.starts,
                    blockIdx.x * blockDim.x + threadIdx.x, gridDim.x * blockDim.x);
+  MLA_STAMP(2, 1);
 
   if (MODE == MODE_SHARED) {
     __shared__ int warp_sums[32];
@@ -273,6 +294,7 @@ __global__ void align_place(const Problem p) {
       rank[j] = claim(hist, bucket[j]);
     }
     __syncthreads();
+    MLA_STAMP(2, 2);
     // Where this block's routes of each bucket start in the output (reserved by align_count).
     int* base = hist + nb + 1;
     const int* st = local_starts ? starts_copy : p.starts;
@@ -291,7 +313,9 @@ __global__ void align_place(const Problem p) {
     // Stage the routes in output order, then store runs of consecutive positions together.
     int* value = reinterpret_cast<int*>(after_rows + head + (local_starts ? 4 * (nb + 1) : 0));
     int* position = value + p.chunk;
+    MLA_STAMP(2, 3);
     scan_block(nb, [&](int b) { return hist[b]; }, hist, warp_sums);  // hist := block offsets
+    MLA_STAMP(2, 4);
 #pragma unroll
     for (int j = 0; j < ITEMS_PER_THREAD; ++j) {
       if (bucket[j] < 0) continue;
@@ -300,7 +324,12 @@ __global__ void align_place(const Problem p) {
       position[k] = base[bucket[j]] + rank[j];
     }
     __syncthreads();
+    MLA_STAMP(2, 5);
     for (int k = threadIdx.x; k < hist[nb]; k += blockDim.x) p.sorted_ids[position[k]] = value[k];
+#ifdef MLA_PROBE
+    __syncthreads();
+    MLA_STAMP(2, 6);
+#endif
   } else if (MODE == MODE_GLOBAL) {
     for_routes<IdT>(p, c0 + warp * 32 + lane, blockDim.x, c1, [&](int i, Route r) {
       const int b = bucket_of(p, r, processed);

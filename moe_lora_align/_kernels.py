@@ -83,6 +83,7 @@ class KernelSet:
         with cupy.cuda.Device(device_id):
             module = cupy.RawModule(code=source(), options=COMPILE_OPTIONS,
                                     name_expressions=list(self.names.values()))
+            self.module = module  # kept for scripts/stage_probe.py (its probe buffer)
             self.kernels = {}
             for key, name in self.names.items():
                 k = module.get_function(name)

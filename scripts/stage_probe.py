@@ -1,0 +1,248 @@
+"""Where the time goes, on the GPU machine: floor kernels, per-stage timestamps, eager profile.
+
+  python3 scripts/stage_probe.py [--out DIR]
+
+1. Floor ladder: graph-replay µs of tiny kernels that do one piece of an alignment each
+   (empty, one load and store, barriers, a grid ticket), so each stage has a price.
+2. The real kernels at representative sizes: graph µs as built, then rebuilt with -DMLA_PROBE
+   (thread 0 of every block stamps SM clock and global timer at stage boundaries, see
+   kernels/align_common.cuh) and one call's stamps printed per stage.
+3. Shared-memory carveout preference at 100 %: graph µs again (SM reconfiguration between
+   kernels with different shared-memory needs).
+4. Host cost of an eager call: per-call µs of the plan, and a cProfile of its top entries.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import cupy
+import numpy as np
+
+import moe_lora_align as mla
+from moe_lora_align import _kernels
+from moe_lora_align.bench import GRAPH_CALLS, graph_us, lora_inputs, routing
+
+FLOOR_SRC = r"""
+extern "C" __global__ void empty() {}
+extern "C" __global__ void load_store(const int* in, int* out, int n) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) out[i] = in[i] + 1;
+}
+extern "C" __global__ void load_syncs_store(const int* in, int* out, int n, int syncs) {
+  __shared__ int s[1024];
+  int i = threadIdx.x;
+  int v = i < n ? in[i] : 0;
+  s[i] = v;
+  for (int k = 0; k < syncs; ++k) { __syncthreads(); v += s[(i + k + 1) & (blockDim.x - 1)]; }
+  if (i < n) out[i] = v;
+}
+extern "C" __global__ void load_atomic_ret_store(const int* in, int* ctr, int* out, int n) {
+  int i = threadIdx.x;
+  int v = i < n ? in[i] : 0;
+  int o = atomicAdd(ctr + (v & 255), 1);
+  if (i < n) out[i] = o;
+}
+// Every block: load, then the threadfence + ticket; the last block reads everyone's value.
+extern "C" __global__ void ticket(const int* in, int* part, unsigned* tk, int* out, int n) {
+  __shared__ bool last;
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  int v = i < n ? in[i] : 0;
+  if (threadIdx.x == 0) part[blockIdx.x] = v;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(tk, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  int s = 0;
+  for (int b = threadIdx.x; b < gridDim.x; b += blockDim.x) s += __ldcg(part + b);
+  if (threadIdx.x == 0) { out[0] = s; *tk = 0; }
+}
+"""
+
+CASES = [  # op, T, E, K, B, L
+    ("base", 1, 64, 8, 16, None), ("base", 256, 256, 8, 16, None),
+    ("base", 256, 512, 10, 16, None), ("lora", 1, 256, 8, 16, 16),
+    ("lora", 256, 256, 8, 16, 16), ("base", 4096, 8, 2, 64, None),
+    ("base", 16384, 256, 8, 64, None), ("base", 65536, 256, 8, 64, None),
+    ("lora", 4096, 256, 8, 64, 16), ("lora", 16384, 256, 8, 64, 16),
+]
+STAGES = {0: ["entry", "rows+fill", "claim", "scan", "stores", "end"],
+          1: ["entry", "fill", "claim", "flush", "ticket", "scan", "end"],
+          2: ["entry", "expert_ids", "claim", "base", "scan", "staged", "end"]}
+KERNEL = {0: "single", 1: "count", 2: "place"}
+
+
+def floor_ladder(stream):
+    mod = cupy.RawModule(code=FLOOR_SRC)
+    f = {n: mod.get_function(n) for n in ("empty", "load_store", "load_syncs_store",
+                                          "load_atomic_ret_store", "ticket")}
+    src = cupy.arange(1 << 20, dtype=np.int32)
+    dst = cupy.empty_like(src)
+    ctr = cupy.zeros(1024, np.int32)
+    tk = cupy.zeros(1, np.uint32)
+    n4 = np.int32(4096)
+    rows = [
+        ("empty 1x128", lambda: f["empty"]((1,), (128,), ())),
+        ("empty 1x1024", lambda: f["empty"]((1,), (1024,), ())),
+        ("empty 132x1024", lambda: f["empty"]((132,), (1024,), ())),
+        ("load+store 1x128", lambda: f["load_store"]((1,), (128,), (src, dst, n4))),
+        ("load+store 1x1024", lambda: f["load_store"]((1,), (1024,), (src, dst, n4))),
+        ("load+store 132x1024", lambda: f["load_store"]((132,), (1024,), (src, dst, np.int32(1 << 20)))),
+        ("load, 1 sync, store 1x1024", lambda: f["load_syncs_store"]((1,), (1024,), (src, dst, n4, np.int32(1)))),
+        ("load, 8 syncs, store 1x1024", lambda: f["load_syncs_store"]((1,), (1024,), (src, dst, n4, np.int32(8)))),
+        ("load, 32 syncs, store 1x1024", lambda: f["load_syncs_store"]((1,), (1024,), (src, dst, n4, np.int32(32)))),
+        ("load, global atomic ret, store 1x128", lambda: f["load_atomic_ret_store"]((1,), (128,), (src, ctr, dst, n4))),
+        ("ticket 132x1024", lambda: f["ticket"]((132,), (1024,), (src, ctr, tk, dst, np.int32(1 << 20)))),
+        ("2 x load+store 132x1024", lambda: (f["load_store"]((132,), (1024,), (src, dst, np.int32(1 << 20))),
+                                             f["load_store"]((132,), (1024,), (dst, src, np.int32(1 << 20))))),
+    ]
+    out = {}
+    for name, fn in rows:
+        out[name] = graph_us(fn, stream)
+        print(f"  {name:40s} {out[name]:7.2f} us", flush=True)
+    return out
+
+
+def make_call(case, stream):
+    op, T, E, K, B, L = case
+    rng = np.random.default_rng(T * 7 + E)
+    ids = cupy.asarray(routing(rng, T, K, E, "uniform"))
+    if op == "base":
+        plan = mla.AlignPlan(T, K, E, B)
+        return lambda: plan(ids, stream=stream)
+    mapping, lora_ids, enabled = (cupy.asarray(x) for x in lora_inputs(rng, T, L))
+    P, M = mla.buffer_sizes(T * K, E, B)
+    out = [cupy.full((L, P), T * K, np.int32), cupy.full((L, M), -1, np.int32),
+           cupy.zeros(L, np.int32)]
+    return lambda: mla.moe_lora_align_block_size(ids, mapping, B, E, L, lora_ids=lora_ids,
+                                                 adapter_enabled=enabled, out=out,
+                                                 stream=stream)
+
+
+def time_cases(stream, label):
+    res = {}
+    for case in CASES:
+        fn = make_call(case, stream)
+        res[str(case)] = graph_us(fn, stream)
+        print(f"  {label:10s} {case!s:40s} {res[str(case)]:7.2f} us", flush=True)
+    return res
+
+
+def reload_kernels(options):
+    _kernels.COMPILE_OPTIONS = options
+    _kernels._loaded.clear()
+
+
+def probe_buffer():
+    ks = next(iter(_kernels._loaded.values()))
+    ptr = ks.module.get_global("mla_probe")
+    return cupy.ndarray((3, 160, 8, 2), np.uint64, ptr)
+
+
+def stamps(stream):
+    """One call's stage stamps for every case, as printable lines and raw numbers."""
+    lines, raw = [], {}
+    for case in CASES:
+        fn = make_call(case, stream)
+        with stream:
+            fn()
+        stream.synchronize()
+        buf = probe_buffer()
+        buf.fill(0)
+        with stream:
+            fn()
+        stream.synchronize()
+        b = cupy.asnumpy(buf).astype(np.int64)
+        raw[str(case)] = b.tolist()
+        lines.append(f"{case}")
+        t0 = min(b[k, blk, 0, 1] for k in range(3) for blk in range(160) if b[k, blk, 0, 1])
+        for k in range(3):
+            blocks = [blk for blk in range(160) if b[k, blk, 0, 0]]
+            if not blocks:
+                continue
+            names = STAGES[k]
+            clk = {s: [b[k, blk, s, 0] - b[k, blk, 0, 0] for blk in blocks if b[k, blk, s, 0]]
+                   for s in range(len(names))}
+            gt = {s: [b[k, blk, s, 1] - t0 for blk in blocks if b[k, blk, s, 1]]
+                  for s in range(len(names))}
+            parts = []
+            for s, nm in enumerate(names):
+                if clk[s]:
+                    parts.append(f"{nm} {int(statistics.median(clk[s]))}c/"
+                                 f"{int(max(clk[s]))}c @{int(min(gt[s]))}-{int(max(gt[s]))}ns")
+            lines.append(f"   {KERNEL[k]:6s} blocks={len(blocks):3d}: " + "; ".join(parts))
+    return lines, raw
+
+
+def eager_profile(stream):
+    ids = cupy.asarray(routing(np.random.default_rng(1), 1, 8, 64, "uniform"))
+    plan = mla.AlignPlan(1, 8, 64, 16)
+    mapping = cupy.zeros(1, np.int32)
+    pair = mla.AlignPlan(1, 8, 64, 16, max_loras=4)
+    out = {}
+    for name, fn in (("plan base", lambda: plan(ids, stream=stream)),
+                     ("plan base+lora", lambda: pair(ids, mapping, stream=stream)),
+                     ("public base", lambda: mla.moe_align_block_size(ids, 16, 64, stream=stream))):
+        for _ in range(200):
+            fn()
+        stream.synchronize()
+        n = 3000
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        host = (time.perf_counter() - t) / n * 1e6
+        stream.synchronize()
+        out[name] = host
+        print(f"  host us per call, {name:16s} {host:7.2f}", flush=True)
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(3000):
+        plan(ids, stream=stream)
+    pr.disable()
+    s = io.StringIO()
+    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(18)
+    print("\n".join(s.getvalue().splitlines()[:40]))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, default=Path("probe-out"))
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    report = {"graph_calls": GRAPH_CALLS}
+    print("== floor ladder (graph us per call)")
+    report["floor"] = floor_ladder(stream)
+    base_opts = _kernels.COMPILE_OPTIONS
+    print("== kernels as built")
+    report["built"] = time_cases(stream, "built")
+    print("== carveout 100 %")
+    for ks in _kernels._loaded.values():
+        for k in ks.kernels.values():
+            k.preferred_shared_memory_carveout = 100
+    report["carveout100"] = time_cases(stream, "carve100")
+    print("== probe build (-DMLA_PROBE): graph us, then stage stamps: median/max SM cycles "
+          "from entry @ global-timer ns window from the call's first entry")
+    reload_kernels(base_opts + ("-DMLA_PROBE",))
+    report["probe_build"] = time_cases(stream, "probe")
+    lines, report["stamps"] = stamps(stream)
+    print("\n".join(lines))
+    reload_kernels(base_opts)
+    print("== eager host cost")
+    report["eager"] = eager_profile(stream)
+    (args.out / "probe.json").write_text(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
