@@ -15,6 +15,7 @@ SINGLE_BLOCK_MAX_ROUTES = BLOCK * ITEMS_PER_THREAD
 WARP_COUNTER_MAX = 65535      # unsigned short per-warp counters bound a deterministic chunk
 CHUNK_MATRIX_BUDGET = 1 << 18  # entries of the deterministic [chunks, buckets] prefix matrix
 SMEM_SLACK = 512              # bytes kept for static shared memory and layout alignment
+FILL_PER_BLOCK = 8192         # sentinel entries per count-kernel block, at most (about)
 
 VARIANTS = ("shared", "global")
 
@@ -31,12 +32,15 @@ class DeviceLimits:
 
 @dataclass(frozen=True)
 class Launch:
-    """How one alignment runs: ``single`` (one block, one launch) or ``multi`` (count, place)."""
+    """How one alignment runs: ``single`` (one launch) or ``multi`` (count, place)."""
     variant: str              # "shared" or "global": where the counting histogram lives
     kind: str                 # "single" or "multi"
     deterministic: bool
     block: int                # threads per block
-    grid: int = 1             # blocks of each launch
+    grid: int = 1             # blocks of each launch (multi: of the place kernel)
+    count_grid: int = 0       # multi: blocks of the count kernel (>= grid; extra ones fill)
+    grid_first: int = 0       # pair: blocks of the first (base) alignment
+    window: int = 0           # single, not deterministic: staging window, ints
     chunk: int = 0            # routes per chunk (multi)
     range_width: int = 0      # buckets per block (deterministic multi)
     ranges: int = 1           # bucket ranges per chunk (deterministic multi)
@@ -68,7 +72,9 @@ def shared_fits(num_buckets: int, rows: int, limits: DeviceLimits) -> bool:
 
 
 SINGLE_BLOCK_SIZES = (128, 256, 512, 1024)
-ENTRIES_PER_THREAD = 64       # output entries a thread of the single block writes at most
+ENTRIES_PER_THREAD = 64       # output entries a thread of the deterministic block writes at most
+SMALL_ENTRIES_PER_BLOCK = 2048  # output entries each block of align_small writes (about)
+SMALL_WINDOW_MAX = 16384      # ints of align_small's staging window
 
 
 def single_block_threads(numel: int, out_entries: int) -> int:
@@ -79,15 +85,49 @@ def single_block_threads(numel: int, out_entries: int) -> int:
     return BLOCK
 
 
-def _single_block(numel, num_buckets, rows, deterministic, limits, out_entries=0):
+def small_threads(numel: int, num_buckets: int) -> int:
+    """align_small's block: every route in registers, at most 8 buckets a thread to scan."""
+    for block in SINGLE_BLOCK_SIZES:
+        if block * ITEMS_PER_THREAD >= numel and block * 8 >= num_buckets:
+            return block
+    return BLOCK
+
+
+def small_blocks(out_entries: int, limits: DeviceLimits) -> int:
+    """Blocks of align_small: enough that each writes about SMALL_ENTRIES_PER_BLOCK entries."""
+    return max(1, min(limits.sm_count, _ceil_div(out_entries, SMALL_ENTRIES_PER_BLOCK)))
+
+
+def small_smem_bytes(num_buckets: int, rows: int, window: int) -> int:
+    """kernels/align_kernels.cu: align_small_block's shared memory (counts, starts, window)."""
+    head = (row_region_bytes(rows) + 8 * (num_buckets + 1) + 15) & ~15
+    return head + 4 * window + SMEM_SLACK
+
+
+def small_window(numel: int, num_buckets: int, block_size: int, blocks: int) -> int:
+    """Staging window of align_small: one block's segments in one pass as a rule (the
+    kernel loops over windows when skewed counts make a block's run longer)."""
+    segments = numel + min(numel, num_buckets) * (block_size - 1)   # at most this many
+    per_block = _ceil_div(segments, blocks) + numel + block_size
+    w = min(segments, per_block, SMALL_WINDOW_MAX)
+    return max(4, (w + 3) & ~3)
+
+
+def _single_block(numel, num_buckets, rows, deterministic, limits, out_entries=0,
+                  block_size=1):
     if numel > SINGLE_BLOCK_MAX_ROUTES:
         return None
     base = 4 * (num_buckets + 1) + row_region_bytes(rows) + SMEM_SLACK
-    block = single_block_threads(numel, out_entries)
     if not deterministic:
-        if base > limits.smem_optin:
+        blocks = small_blocks(out_entries, limits)
+        window = small_window(numel, num_buckets, block_size, blocks)
+        room = (limits.smem_optin - small_smem_bytes(num_buckets, rows, 0)) // 4 & ~3
+        if room < 4:
             return None
-        return Launch("shared", "single", False, block, smem_single=base)
+        window = min(window, room)
+        return Launch("shared", "single", False, small_threads(numel, num_buckets), grid=blocks,
+                      window=window, smem_single=small_smem_bytes(num_buckets, rows, window))
+    block = single_block_threads(numel, out_entries)
     # Deterministic: one unsigned short counter per (warp, bucket); fewer warps if they don't fit.
     for warps in (32, 16, 8, 4):
         if 32 * warps > block:
@@ -104,12 +144,14 @@ def _ceil_div(a, b):
 
 def choose_launch(numel: int, num_buckets: int, rows: int, limits: DeviceLimits, *,
                   deterministic: bool = False, variant: str | None = None,
-                  allow_single: bool = True, out_entries: int = 0) -> Launch:
+                  allow_single: bool = True, out_entries: int = 0,
+                  block_size: int = 1) -> Launch:
     """Pick the variant and launch geometry of one alignment.
 
     ``num_buckets`` is ``rows * num_experts``; ``out_entries`` the output entries written
-    (``rows * (P + M)``), which sizes the single block. ``variant`` forces "shared" or
-    "global"; forcing "shared" when its histogram cannot fit raises ``ValueError``.
+    (``rows * (P + M)``), which sizes the single launch and the fill. ``block_size`` sizes
+    the small kernel's staging window. ``variant`` forces "shared" or "global"; forcing
+    "shared" when its histogram cannot fit raises ``ValueError``.
     """
     if variant is not None and variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS} or None, got {variant!r}")
@@ -122,7 +164,8 @@ def choose_launch(numel: int, num_buckets: int, rows: int, limits: DeviceLimits,
         )
     chosen = variant or ("shared" if fits else "global")
     if chosen == "shared" and allow_single:
-        single = _single_block(numel, num_buckets, rows, deterministic, limits, out_entries)
+        single = _single_block(numel, num_buckets, rows, deterministic, limits, out_entries,
+                               block_size)
         if single is not None:
             return single
 
@@ -131,19 +174,22 @@ def choose_launch(numel: int, num_buckets: int, rows: int, limits: DeviceLimits,
         per_sm = _ceil_div(max(numel, 1), limits.sm_count)
         chunk = min(SINGLE_BLOCK_MAX_ROUTES, max(BLOCK, _ceil_div(per_sm, BLOCK) * BLOCK))
         grid = max(1, _ceil_div(numel, chunk))
+        # Blocks past the last chunk only write sentinels: the fill then spreads over the SMs.
+        count_grid = max(grid, min(limits.sm_count, _ceil_div(out_entries, FILL_PER_BLOCK)))
         rows_smem = row_region_bytes(rows) + SMEM_SLACK
         if chosen == "global":
             copy, place = _with_starts_copy(rows_smem, num_buckets, limits)
-            return Launch(chosen, "multi", False, BLOCK, grid=grid, chunk=chunk,
-                          smem_count=rows_smem, smem_place=place, starts_in_smem=copy)
+            return Launch(chosen, "multi", False, BLOCK, grid=grid, count_grid=count_grid,
+                          chunk=chunk, smem_count=rows_smem, smem_place=place,
+                          starts_in_smem=copy)
         # Shared: counts and block bases, then staging, then the starts copy, as room allows.
         place = rows_smem + 4 * (2 * num_buckets + 1)
         stage = place + 8 * chunk <= limits.smem_optin
         place += 8 * chunk if stage else 0
         copy, place = _with_starts_copy(place, num_buckets, limits)
-        return Launch(chosen, "multi", False, BLOCK, grid=grid, chunk=chunk,
-                      smem_count=rows_smem + 4 * num_buckets, smem_place=place,
-                      starts_in_smem=copy, stage_output=stage)
+        return Launch(chosen, "multi", False, BLOCK, grid=grid, count_grid=count_grid,
+                      chunk=chunk, smem_count=rows_smem + 4 * (num_buckets + 1),
+                      smem_place=place, starts_in_smem=copy, stage_output=stage)
 
     # Deterministic: blocks tile (chunk, bucket range); per-warp counters cover one range.
     warps = BLOCK // 32
@@ -159,7 +205,8 @@ def choose_launch(numel: int, num_buckets: int, rows: int, limits: DeviceLimits,
     chunks = max(1, _ceil_div(numel, chunk))
     rows_smem = row_region_bytes(rows) + SMEM_SLACK
     copy, place = _with_starts_copy((2 * warps + 4) * width + rows_smem, num_buckets, limits)
-    return Launch(chosen, "multi", True, BLOCK, grid=chunks * ranges, chunk=chunk,
+    return Launch(chosen, "multi", True, BLOCK, grid=chunks * ranges,
+                  count_grid=chunks * ranges, chunk=chunk,
                   range_width=width, ranges=ranges, smem_count=4 * width + rows_smem,
                   smem_place=place, starts_in_smem=copy)
 
@@ -173,19 +220,31 @@ def _with_starts_copy(smem, num_buckets, limits):
 
 
 def choose_pair(numel: int, base_buckets: int, lora_buckets: int, rows: int,
-                limits: DeviceLimits, *, deterministic: bool = False, out_entries: int = 0):
+                limits: DeviceLimits, *, deterministic: bool = False, out_entries: int = 0,
+                block_size: int = 1):
     """The fused single launch for base + LoRA, or ``None`` when either side needs more.
     ``out_entries``: output entries of the LoRA side (the larger)."""
-    base = _single_block(numel, base_buckets, 1, deterministic, limits, out_entries // max(rows, 1))
-    lora = _single_block(numel, lora_buckets, rows, deterministic, limits, out_entries)
+    base_entries = out_entries // max(rows, 1)
+    base = _single_block(numel, base_buckets, 1, deterministic, limits, base_entries,
+                         block_size)
+    lora = _single_block(numel, lora_buckets, rows, deterministic, limits, out_entries,
+                         block_size)
     if base is None or lora is None:
         return None
-    block = lora.block if not deterministic else min(base.block, lora.block)
+    if not deterministic:
+        # One block size and one window for both sides; each keeps its own number of blocks.
+        window = max(base.window, lora.window)
+        smem = max(small_smem_bytes(base_buckets, 1, window),
+                   small_smem_bytes(lora_buckets, rows, window))
+        if smem > limits.smem_optin:
+            return None
+        return Launch("shared", "single", False, max(base.block, lora.block),
+                      grid=base.grid + lora.grid, grid_first=base.grid, window=window,
+                      smem_single=smem)
+    block = min(base.block, lora.block)
     warps = block // 32
     even = lambda n: n + (n & 1)  # noqa: E731  (per-warp counter rows are 4-byte aligned)
-    smem = max(4 * (base_buckets + 1) + row_region_bytes(1)
-               + (2 * warps * even(base_buckets) if deterministic else 0),
-               4 * (lora_buckets + 1) + row_region_bytes(rows)
-               + (2 * warps * even(lora_buckets) if deterministic else 0))
-    return Launch("shared", "single", deterministic, block, grid=2,
+    smem = max(4 * (base_buckets + 1) + row_region_bytes(1) + 2 * warps * even(base_buckets),
+               4 * (lora_buckets + 1) + row_region_bytes(rows) + 2 * warps * even(lora_buckets))
+    return Launch("shared", "single", True, block, grid=2, grid_first=1,
                   smem_single=smem + SMEM_SLACK)

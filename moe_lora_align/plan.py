@@ -105,14 +105,16 @@ class AlignPlan:
         P, M = buffer_sizes(numel, self.num_experts, self.block_size, self.pad_sorted_ids)
         E = self.num_experts
         base = choose_launch(numel, E, 1, self.limits, deterministic=self.deterministic,
-                             variant=self.variant, out_entries=P + M)
+                             variant=self.variant, out_entries=P + M,
+                             block_size=self.block_size)
         self._base_ws.ensure(*workspace_needs(base, E))
         lora = None
         if self.max_loras is not None:
             nb = self.max_loras * E
             lora = choose_launch(numel, nb, self.max_loras, self.limits,
                                  deterministic=self.deterministic, variant=self.variant,
-                                 out_entries=self.max_loras * (P + M))
+                                 out_entries=self.max_loras * (P + M),
+                                 block_size=self.block_size)
             self._lora_ws.ensure(*workspace_needs(lora, nb))
         g = self._launches[numel] = (P, M, base, lora)
         return g
