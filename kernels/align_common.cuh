@@ -211,17 +211,30 @@ __device__ __forceinline__ int claim_in_lane_order(unsigned short* counter, int 
 }
 
 // Fill rows [rows, pitch] of `base` with `value` in [0, len), skipping rows not written.
-// 16-byte stores where alignment allows; never touches [len, pitch).
+// 16-byte stores where alignment allows; never touches [len, pitch). Row r starts at thread
+// r * units mod nthreads, so the rows spread over all threads (all blocks) as one flat range
+// would: starting every row at thread 0 left most blocks idle and each SM's store queue
+// holds only so much.
 __device__ void fill_rows(const Problem& p, const unsigned char* processed, int* base, int pitch,
                           int len, int value, int tid, int nthreads) {
   const bool vec = ((pitch & 3) == 0) && ((reinterpret_cast<unsigned long long>(base) & 15) == 0);
-  const int nvec = vec ? (len >> 2) : 0;
+  const int units = vec ? (len >> 2) : len, step = units % nthreads;
   const int4 v = make_int4(value, value, value, value);
+  int offset = 0;
   for (int r = 0; r < p.rows; ++r) {
-    if (!row_written(p, processed, r)) continue;
-    int* row = base + (long long)r * pitch;
-    for (int k = tid; k < nvec; k += nthreads) reinterpret_cast<int4*>(row)[k] = v;
-    for (int k = 4 * nvec + tid; k < len; k += nthreads) row[k] = value;
+    if (row_written(p, processed, r)) {
+      int* row = base + (long long)r * pitch;
+      int k = tid - offset;
+      if (k < 0) k += nthreads;
+      if (vec) {
+        for (; k < units; k += nthreads) reinterpret_cast<int4*>(row)[k] = v;
+        for (int q = 4 * units + tid; q < len; q += nthreads) row[q] = value;
+      } else {
+        for (; k < units; k += nthreads) row[k] = value;
+      }
+    }
+    offset += step;
+    if (offset >= nthreads) offset -= nthreads;
   }
 }
 

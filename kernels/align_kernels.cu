@@ -82,10 +82,11 @@ __device__ void align_small_block(const Problem& p, int block, int blocks) {
   MLA_STAMP(0, 3);
 
   // This block's buckets [lo_b, hi_b): cut where the segments reach its share of the total.
-  const long long total = starts[nb];
-  const int lo_b = block == 0 ? 0 : first_bucket_at(starts, nb, total * block / blocks);
-  const int hi_b = block == blocks - 1 ? nb
-                                       : first_bucket_at(starts, nb, total * (block + 1) / blocks);
+  // (32-bit divisions only: a 64-bit one is a long software routine.)
+  const int total = starts[nb], share = (total + blocks - 1) / blocks;
+  const auto cut = [&](int j) { return min((long long)total, (long long)share * j); };
+  const int lo_b = block == 0 ? 0 : first_bucket_at(starts, nb, cut(block));
+  const int hi_b = block == blocks - 1 ? nb : first_bucket_at(starts, nb, cut(block + 1));
   const int q0 = starts[lo_b], q1 = starts[hi_b];
   // Segment starts are multiples of block_size, so with block_size % 4 == 0 every run below
   // starts on a 16-byte boundary of the window and of the row.
@@ -128,9 +129,10 @@ __device__ void align_small_block(const Problem& p, int block, int blocks) {
   for (int r = 0; r < p.rows; ++r) {
     if (!row_written(p, processed, r)) continue;
     const int t0 = processed[r] ? starts[r * E + E] - starts[r * E] : 0;
-    const long long len = p.padded_len - t0;
-    const int a = block == 0 ? t0 : t0 + ((int)(len * block / blocks) & ~3);
-    const int b = block == blocks - 1 ? p.padded_len : t0 + ((int)(len * (block + 1) / blocks) & ~3);
+    const int len = p.padded_len - t0, part = ((len + blocks - 1) / blocks + 3) & ~3;
+    const int a = t0 + (int)min((long long)len, (long long)part * block);
+    const int b = block == blocks - 1 ? p.padded_len
+                                      : t0 + (int)min((long long)len, (long long)part * (block + 1));
     fill_range(p.sorted_ids + (long long)r * p.sorted_pitch, a, b, p.numel, vec, tid, nthreads);
   }
   MLA_STAMP(0, 5);

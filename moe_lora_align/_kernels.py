@@ -90,6 +90,11 @@ class KernelSet:
                 # The opt-in limit covers static shared memory too.
                 k.max_dynamic_shared_size_bytes = smem_optin - k.shared_size_bytes
                 self.kernels[key] = k
+            # CUfunction handles for the direct driver launch (see _launch.launch_kernel).
+            try:
+                self.handles = {key: int(k.kernel.ptr) for key, k in self.kernels.items()}
+            except AttributeError:  # a CuPy without RawKernel.kernel: CuPy's own launch
+                self.handles = {}
 
     def __getitem__(self, key):
         return self.kernels[key]

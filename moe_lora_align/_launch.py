@@ -94,8 +94,9 @@ class Job:
     fill_unprocessed: bool = False
     deterministic: bool = False
     result: object = None       # AlignPlan: the cached result views of this job
-    packed: object = None       # the packed kernel argument and what it was packed for
-    packed_key: object = None
+    packed: object = None       # the packed kernel argument (uint8 array) and what it was
+    packed_key: object = None   #   packed for
+    params: object = None       # kernel-parameter array for the driver: [address of packed]
 
     @property
     def num_buckets(self) -> int:
@@ -123,10 +124,10 @@ def division_magic(d: int):
 _INPUT_POINTERS = struct.Struct("<5Q")  # the first five fields: the call's input arrays
 
 
-def pack(job: Job, launch: _dispatch.Launch, ws: Workspace, blocks: int | None = None) -> np.void:
-    """The kernels' ``Problem`` argument for one job; ``blocks``: the blocks that share it (a
-    pair launch splits its grid). A job reused with the same launch and workspace (AlignPlan)
-    keeps its packed bytes and only rewrites the input pointers."""
+def pack(job: Job, launch: _dispatch.Launch, ws: Workspace, blocks: int | None = None) -> Job:
+    """Pack the kernels' ``Problem`` argument of one job into ``job.packed``; ``blocks``: the
+    blocks that share it (a pair launch splits its grid). A job reused with the same launch
+    and workspace (AlignPlan) keeps its packed bytes and only rewrites the input pointers."""
     blocks = launch.grid if blocks is None else blocks
     key = (launch, blocks, id(ws), ws.generation, job.map_mode,
            0 if job.lora_ids is None else int(job.lora_ids.shape[0]))
@@ -134,7 +135,7 @@ def pack(job: Job, launch: _dispatch.Launch, ws: Workspace, blocks: int | None =
         _INPUT_POINTERS.pack_into(job.packed, 0, _ptr(job.topk_ids), _ptr(job.token_slot),
                                   _ptr(job.lora_ids), _ptr(job.adapter_enabled),
                                   _ptr(job.expert_map))
-        return np.frombuffer(job.packed, dtype=PROBLEM_DTYPE)[0]
+        return job
     raw = _PACKER.pack(
         _ptr(job.topk_ids), _ptr(job.token_slot), _ptr(job.lora_ids),
         _ptr(job.adapter_enabled), _ptr(job.expert_map), _ptr(job.sorted_ids),
@@ -147,8 +148,42 @@ def pack(job: Job, launch: _dispatch.Launch, ws: Workspace, blocks: int | None =
         int(launch.starts_in_smem), int(launch.stage_output), *division_magic(max(job.topk, 1)),
         *division_magic(job.block_size), *division_magic(job.num_experts),
         *division_magic(max(job.num_tiles, 1)), blocks, launch.window, 0)
-    job.packed, job.packed_key = bytearray(raw), key
-    return np.frombuffer(job.packed, dtype=PROBLEM_DTYPE)[0]
+    job.packed, job.packed_key = np.frombuffer(bytearray(raw), dtype=np.uint8), key
+    job.params = np.array([job.packed.ctypes.data], dtype=np.uint64)
+    return job
+
+
+def _direct_launcher():
+    """The driver's cuLaunchKernel as CuPy exposes it, or None (then CuPy's kernel call)."""
+    try:
+        from cupy_backends.cuda.api.driver import launchKernel
+    except ImportError:
+        return None
+    return launchKernel
+
+
+_LAUNCH_KERNEL = None
+
+
+def launch_kernel(ks, key, grid: int, block: int, smem: int, stream, *jobs):
+    """Launch kernel ``key`` with the packed ``jobs`` as its arguments on ``stream``.
+
+    Straight through cuLaunchKernel where CuPy exposes it: the argument is already packed, so
+    this skips CuPy's per-call argument conversion (several microseconds of an eager call).
+    The driver copies the parameters at the call, so the packed bytes may change right after.
+    """
+    global _LAUNCH_KERNEL
+    if _LAUNCH_KERNEL is None:
+        _LAUNCH_KERNEL = _direct_launcher() or False
+    fn = ks.handles.get(key)
+    if _LAUNCH_KERNEL and fn:
+        params = jobs[0].params if len(jobs) == 1 else np.array(
+            [j.params[0] for j in jobs], dtype=np.uint64)
+        _LAUNCH_KERNEL(fn, grid, 1, 1, block, 1, 1, smem, stream.ptr, params.ctypes.data, 0)
+        return
+    args = tuple(np.frombuffer(j.packed, dtype=PROBLEM_DTYPE)[0] for j in jobs)
+    with _current(stream):  # CuPy launches on the current stream
+        ks[key]((grid,), (block,), args, shared_mem=smem)
 
 
 def plan_launch(job: Job, device_id: int, variant=None) -> _dispatch.Launch:
@@ -175,16 +210,15 @@ def launch_one(job: Job, launch: _dispatch.Launch, ws: Workspace, stream, device
     ws.ensure(*workspace_needs(launch, job.num_buckets))
     ks = kernels_for(job.topk_ids.dtype, device_id,
                      device_limits(device_id).smem_optin)
-    args = (pack(job, launch, ws),)
-    with _current(stream):  # CuPy launches on the current stream
-        if launch.kind == "single":
-            ks[("single", launch.deterministic)]((launch.grid,), (launch.block,), args,
-                                                 shared_mem=launch.smem_single)
-            return
-        ks[("count", launch.mode)]((max(launch.count_grid, launch.grid),), (launch.block,),
-                                   args, shared_mem=launch.smem_count)
-        ks[("place", launch.mode)]((launch.grid,), (launch.block,), args,
-                                   shared_mem=launch.smem_place)
+    pack(job, launch, ws)
+    if launch.kind == "single":
+        launch_kernel(ks, ("single", launch.deterministic), launch.grid, launch.block,
+                      launch.smem_single, stream, job)
+        return
+    launch_kernel(ks, ("count", launch.mode), max(launch.count_grid, launch.grid), launch.block,
+                  launch.smem_count, stream, job)
+    launch_kernel(ks, ("place", launch.mode), launch.grid, launch.block, launch.smem_place,
+                  stream, job)
 
 
 def _current(stream):
@@ -204,11 +238,10 @@ def launch_pair(base: Job, lora: Job, launch: _dispatch.Launch, ws_base: Workspa
                      device_limits(device_id).smem_optin)
     ws_base.ensure(1, 0)
     ws_lora.ensure(1, 0)
-    args = (pack(base, launch, ws_base, launch.grid_first),
-            pack(lora, launch, ws_lora, launch.grid - launch.grid_first))
-    with _current(stream):
-        ks[("pair", launch.deterministic)]((launch.grid,), (launch.block,), args,
-                                           shared_mem=launch.smem_single)
+    pack(base, launch, ws_base, launch.grid_first)
+    pack(lora, launch, ws_lora, launch.grid - launch.grid_first)
+    launch_kernel(ks, ("pair", launch.deterministic), launch.grid, launch.block,
+                  launch.smem_single, stream, base, lora)
 
 
 _workspaces: dict = {}

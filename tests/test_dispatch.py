@@ -1,5 +1,6 @@
 """The dispatcher's decisions for a table of cases (pure: no GPU)."""
 
+import numpy as np
 import pytest
 
 from moe_lora_align import _dispatch as d
@@ -125,3 +126,32 @@ def test_fill_blocks_join_the_count_kernel():
     det = d.choose_launch(4096 * 8, 16 * 256, 16, H200, out_entries=16 * 48896,
                           deterministic=True)
     assert det.count_grid == det.grid
+
+
+def test_packed_argument_holds_the_launch_and_its_address():
+    """The packed Problem carries each side's blocks and the window; the driver gets its
+    address, and a repack for new inputs only rewrites the input pointers in place."""
+    from types import SimpleNamespace
+
+    from moe_lora_align import _launch
+
+    def dev(ptr):
+        return SimpleNamespace(data=SimpleNamespace(ptr=ptr))
+
+    ws = SimpleNamespace(counts=dev(1), starts=dev(2), cursor=dev(3), chunk_hist=dev(4),
+                         ticket=dev(5), generation=0)
+    job = _launch.Job(topk_ids=dev(0x1000), numel=8, topk=8, num_experts=64, block_size=16,
+                      rows=1, padded_len=968, num_tiles=61, sorted_ids=dev(0x2000),
+                      expert_ids=dev(0x3000), num_post_pad=dev(0x4000), sorted_pitch=968,
+                      expert_pitch=61)
+    pair = d.choose_pair(8, 64, 4 * 64, 4, H200, out_entries=4 * 1029, block_size=16)
+    _launch.pack(job, pair, ws, pair.grid_first)
+    fields = np.frombuffer(job.packed, dtype=_launch.PROBLEM_DTYPE)[0]
+    assert (fields["blocks"], fields["window"]) == (pair.grid_first, pair.window)
+    assert fields["topk_ids"] == 0x1000 and fields["numel"] == 8
+    assert int(job.params[0]) == job.packed.ctypes.data
+    before = job.packed.ctypes.data
+    job.topk_ids = dev(0x5000)
+    _launch.pack(job, pair, ws, pair.grid_first)
+    assert job.packed.ctypes.data == before
+    assert np.frombuffer(job.packed, dtype=_launch.PROBLEM_DTYPE)[0]["topk_ids"] == 0x5000
