@@ -50,8 +50,6 @@ struct Problem {
   int experts_shift;
   unsigned int tiles_magic;
   int tiles_shift;
-  int blocks;                   // small kernels: blocks that share this alignment's output
-  int window;                   // small kernels: staging window, ints (a multiple of 4)
   int reserved_;                // keeps the size a multiple of 8 bytes
 };
 
@@ -236,30 +234,6 @@ __device__ void fill_rows(const Problem& p, const unsigned char* processed, int*
     offset += step;
     if (offset >= nthreads) offset -= nthreads;
   }
-}
-
-// value into row[a, b). With vec (16-byte aligned row, a % 4 == 0) the body goes out as int4.
-__device__ __forceinline__ void fill_range(int* row, int a, int b, int value, bool vec, int tid,
-                                           int nthreads) {
-  int body = a;
-  if (vec) {
-    const int nvec = (b - a) >> 2;
-    const int4 v = make_int4(value, value, value, value);
-    int4* dst = reinterpret_cast<int4*>(row + a);
-    for (int k = tid; k < nvec; k += nthreads) dst[k] = v;
-    body = a + 4 * nvec;
-  }
-  for (int k = body + tid; k < b; k += nthreads) row[k] = value;
-}
-
-// First bucket b in [0, n] with starts[b] >= target (starts ascending, starts[n] = total).
-__device__ __forceinline__ int first_bucket_at(const int* starts, int n, long long target) {
-  int lo = 0, hi = n;
-  while (lo < hi) {
-    const int mid = (lo + hi) >> 1;
-    if (starts[mid] < target) lo = mid + 1; else hi = mid;
-  }
-  return lo;
 }
 
 __device__ __forceinline__ int padded_count(const Problem& p, int c) {

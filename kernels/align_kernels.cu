@@ -1,7 +1,6 @@
 // Alignment kernels: one launch for small inputs, two (count, place) for large ones.
-// Small inputs: align_small (blocks that each count every route and write a share of the
-// output) or, deterministic, align_single_det (one block, ranks in flat-index order); the
-// _pair kernels run a base and a LoRA alignment in one launch.
+// Small inputs: align_single (one block); align_pair runs a base and a LoRA alignment in one
+// launch of two blocks.
 //
 // Variants of the counting stage (MODE):
 //   MODE_SHARED (0) per-block histograms in shared memory, flushed to global counts;
@@ -38,132 +37,11 @@ __device__ __forceinline__ void for_routes(const Problem& p, int first, int step
 }
 
 // ---------------------------------------------------------------------------------------------
-// Small inputs (decode sizes) in one launch of p.blocks blocks. Every block counts every route
-// and scans, so all blocks agree on the segment starts without talking to each other. Block j
-// then writes only its share of the output: the segments of a run of buckets (its routes
-// staged in shared memory at their output positions, padding included, then stored as
-// coalesced runs), a share of every row's tail past its total, and a share of the tile ids.
-// The output so leaves through many SMs: one SM alone drains its stores too slowly for a
-// LoRA call's rows of sentinels (results/PERF_LOG.md, stage probe).
-// After the row region: count[nb + 1] ints | starts[nb + 1] ints | window[p.window] ints
-// (16-byte aligned). Mirrored by moe_lora_align/_dispatch.py: small_smem_bytes.
-template <typename IdT>
-__device__ void align_small_block(const Problem& p, int block, int blocks) {
-  __shared__ int warp_sums[32];
-  const int nb = num_buckets(p), E = p.num_experts, tid = threadIdx.x, nthreads = blockDim.x;
-  unsigned char* processed = dynamic_smem;
-  int* count = reinterpret_cast<int*>(dynamic_smem + row_region_bytes(p.rows));
-  int* starts = count + nb + 1;
-  int* window = reinterpret_cast<int*>(
-      dynamic_smem + ((row_region_bytes(p.rows) + 8 * (nb + 1) + 15) & ~15));
-  MLA_STAMP(0, 0);
-
-  Route route[ITEMS_PER_THREAD];
-#pragma unroll
-  for (int j = 0; j < ITEMS_PER_THREAD; ++j)
-    route[j] = load_route<IdT>(p, j * nthreads + tid, p.numel);
-  for (int b = tid; b < nb; b += nthreads) count[b] = 0;
-  mark_processed_rows(p, processed);  // ends with a barrier, so the counts are zero
-  MLA_STAMP(0, 1);
-
-  int bucket[ITEMS_PER_THREAD], rank[ITEMS_PER_THREAD];
-#pragma unroll
-  for (int j = 0; j < ITEMS_PER_THREAD; ++j) {
-    const int i = j * nthreads + tid;
-    bucket[j] = bucket_of(p, route[j], processed);
-    if (block == 0 && p.scatter_idx != nullptr && i < p.numel)
-      p.scatter_idx[i] = bucket[j] >= 0 ? i : -1;
-    rank[j] = claim(count, bucket[j]);
-  }
-  __syncthreads();
-  MLA_STAMP(0, 2);
-  scan_padded_counts(p, nb, [&](int b) { return count[b]; }, starts, warp_sums);
-  if (block == 0) write_totals(p, processed, starts);
-  MLA_STAMP(0, 3);
-
-  // This block's buckets [lo_b, hi_b): cut where the segments reach its share of the total.
-  // (32-bit divisions only: a 64-bit one is a long software routine.)
-  const int total = starts[nb], share = (total + blocks - 1) / blocks;
-  const auto cut = [&](int j) { return min((long long)total, (long long)share * j); };
-  const int lo_b = block == 0 ? 0 : first_bucket_at(starts, nb, cut(block));
-  const int hi_b = block == blocks - 1 ? nb : first_bucket_at(starts, nb, cut(block + 1));
-  const int q0 = starts[lo_b], q1 = starts[hi_b];
-  // Segment starts are multiples of block_size, so with block_size % 4 == 0 every run below
-  // starts on a 16-byte boundary of the window and of the row.
-  const bool vec = (p.block_size & 3) == 0 && (p.sorted_pitch & 3) == 0 &&
-                   (reinterpret_cast<unsigned long long>(p.sorted_ids) & 15) == 0;
-  for (int w0 = q0; w0 < q1; w0 += p.window) {
-    const int w1 = min(q1, w0 + p.window);
-    fill_range(window, 0, w1 - w0, p.numel, true, tid, nthreads);
-    __syncthreads();
-#pragma unroll
-    for (int j = 0; j < ITEMS_PER_THREAD; ++j) {
-      if (bucket[j] < lo_b || bucket[j] >= hi_b) continue;
-      const int g = starts[bucket[j]] + rank[j];
-      if (g >= w0 && g < w1) window[g - w0] = j * nthreads + tid;
-    }
-    __syncthreads();
-    // Copy out row by row: row r holds positions [starts[r * E], starts[r * E + E]).
-    int r = 0;
-    for (int step = 1 << (31 - __clz(p.rows)); step > 0; step >>= 1)  // last row at or before w0
-      if (r + step < p.rows && starts[(r + step) * E] <= w0) r += step;
-    for (; r < p.rows && starts[r * E] < w1; ++r) {
-      const int row_start = starts[r * E];
-      const int a = max(w0, row_start), b = min(w1, starts[r * E + E]);
-      if (a >= b) continue;
-      int* dst = p.sorted_ids + (long long)r * p.sorted_pitch + (a - row_start);
-      const int* src = window + (a - w0);
-      if (vec) {
-        for (int k = tid; k < (b - a) >> 2; k += nthreads)
-          reinterpret_cast<int4*>(dst)[k] = reinterpret_cast<const int4*>(src)[k];
-      } else {
-        for (int k = tid; k < b - a; k += nthreads) dst[k] = src[k];
-      }
-    }
-    if (w1 < q1) __syncthreads();  // the window is refilled next
-  }
-  MLA_STAMP(0, 4);
-
-  // Every written row's tail past its total (all of it for unprocessed rows), split between
-  // the blocks at multiples of 4.
-  for (int r = 0; r < p.rows; ++r) {
-    if (!row_written(p, processed, r)) continue;
-    const int t0 = processed[r] ? starts[r * E + E] - starts[r * E] : 0;
-    const int len = p.padded_len - t0, part = ((len + blocks - 1) / blocks + 3) & ~3;
-    const int a = t0 + (int)min((long long)len, (long long)part * block);
-    const int b = block == blocks - 1 ? p.padded_len
-                                      : t0 + (int)min((long long)len, (long long)part * (block + 1));
-    fill_range(p.sorted_ids + (long long)r * p.sorted_pitch, a, b, p.numel, vec, tid, nthreads);
-  }
-  MLA_STAMP(0, 5);
-  write_expert_ids(p, processed, starts, block * nthreads + tid, blocks * nthreads);
-#ifdef MLA_PROBE
-  __syncthreads();
-  MLA_STAMP(0, 6);
-#endif
-}
-
-template <typename IdT>
-__global__ void align_small(const Problem p) {
-  align_small_block<IdT>(p, blockIdx.x, p.blocks);
-}
-
-// Base and LoRA alignment in one launch: blocks [0, first.blocks) align `first`, the rest
-// align `second`.
-template <typename IdT>
-__global__ void align_small_pair(const Problem first, const Problem second) {
-  const bool is_first = (int)blockIdx.x < first.blocks;
-  const Problem& p = is_first ? first : second;
-  align_small_block<IdT>(p, is_first ? blockIdx.x : blockIdx.x - first.blocks, p.blocks);
-}
-
-// ---------------------------------------------------------------------------------------------
-// Deterministic small inputs: one block counts, scans, places and fills in one launch. Warp w
-// owns a contiguous run of routes, so per-warp counters give ranks in flat-index order.
-// After the row region: starts[nb + 1] ints | warp_counts[nwarps * stride] ushort, stride =
-// nb rounded up to even (4-byte aligned rows).
-template <typename IdT>
-__device__ void align_in_one_block_det(const Problem& p) {
+// Single block: count, scan, place and fill in one launch (decode sizes).
+// After the row region: starts[nb + 1] ints | DET: warp_counts[nwarps * stride] ushort,
+// stride = nb rounded up to even (4-byte aligned rows).
+template <typename IdT, bool DET>
+__device__ void align_in_one_block(const Problem& p) {
   __shared__ int warp_sums[32];
   const int nb = num_buckets(p), nwarps = blockDim.x >> 5, stride = (nb + 1) & ~1;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -172,40 +50,66 @@ __device__ void align_in_one_block_det(const Problem& p) {
   unsigned short* warp_counts = reinterpret_cast<unsigned short*>(starts + nb + 1);
   MLA_STAMP(0, 0);
 
+  // Non-deterministic: thread t owns routes t, t + blockDim, ...; deterministic: warp w owns
+  // a contiguous run, so its counters give ranks in flat-index order.
   const int per_warp = ((p.numel + nwarps - 1) / nwarps + 31) & ~31;
   const int lo = min(p.numel, warp * per_warp), hi = min(p.numel, lo + per_warp);
+  Route route[ITEMS_PER_THREAD];
+  if (!DET) {
+#pragma unroll
+    for (int j = 0; j < ITEMS_PER_THREAD; ++j)
+      route[j] = load_route<IdT>(p, j * blockDim.x + threadIdx.x, p.numel);
+  }
   for (int b = threadIdx.x; b < nb; b += blockDim.x) starts[b] = 0;
-  for (int k = threadIdx.x; k < nwarps * stride; k += blockDim.x) warp_counts[k] = 0;
+  if (DET)
+    for (int k = threadIdx.x; k < nwarps * stride; k += blockDim.x) warp_counts[k] = 0;
   mark_processed_rows(p, processed);
   fill_rows(p, processed, p.sorted_ids, p.sorted_pitch, p.padded_len, p.numel, threadIdx.x, blockDim.x);
   MLA_STAMP(0, 1);
 
-  unsigned short* mine = warp_counts + warp * stride;
-  for_routes<IdT>(p, lo + lane, 32, hi, [&](int i, Route r) {
-    const int b = bucket_of(p, r, processed);
-    if (p.scatter_idx != nullptr && i < hi) p.scatter_idx[i] = b >= 0 ? i : -1;
-    claim(mine, b);  // totals only: order does not matter here
-  });
-  __syncthreads();
-  MLA_STAMP(0, 2);
-  for (int b = threadIdx.x; b < nb; b += blockDim.x) {
-    int run = 0;
-    for (int w = 0; w < nwarps; ++w) {
-      const int c = warp_counts[w * stride + b];
-      warp_counts[w * stride + b] = (unsigned short)run;
-      run += c;
+  if (!DET) {
+    int bucket[ITEMS_PER_THREAD], rank[ITEMS_PER_THREAD];
+#pragma unroll
+    for (int j = 0; j < ITEMS_PER_THREAD; ++j) {
+      const int i = j * blockDim.x + threadIdx.x;
+      bucket[j] = bucket_of(p, route[j], processed);
+      if (p.scatter_idx != nullptr && i < p.numel) p.scatter_idx[i] = bucket[j] >= 0 ? i : -1;
+      rank[j] = claim(starts, bucket[j]);
     }
-    starts[b] = run;
+    __syncthreads();
+    MLA_STAMP(0, 2);
+    scan_padded_counts(p, nb, [&](int b) { return starts[b]; }, starts, warp_sums);
+    MLA_STAMP(0, 3);
+#pragma unroll
+    for (int j = 0; j < ITEMS_PER_THREAD; ++j)
+      if (bucket[j] >= 0)
+        p.sorted_ids[output_index(p, starts, bucket[j], rank[j])] = j * blockDim.x + threadIdx.x;
+    MLA_STAMP(0, 4);
+  } else {
+    unsigned short* mine = warp_counts + warp * stride;
+    for_routes<IdT>(p, lo + lane, 32, hi, [&](int i, Route r) {
+      const int b = bucket_of(p, r, processed);
+      if (p.scatter_idx != nullptr && i < hi) p.scatter_idx[i] = b >= 0 ? i : -1;
+      claim(mine, b);  // totals only: order does not matter here
+    });
+    __syncthreads();
+    for (int b = threadIdx.x; b < nb; b += blockDim.x) {
+      int run = 0;
+      for (int w = 0; w < nwarps; ++w) {
+        const int c = warp_counts[w * stride + b];
+        warp_counts[w * stride + b] = (unsigned short)run;
+        run += c;
+      }
+      starts[b] = run;
+    }
+    __syncthreads();
+    scan_padded_counts(p, nb, [&](int b) { return starts[b]; }, starts, warp_sums);
+    for_routes<IdT>(p, lo + lane, 32, hi, [&](int i, Route r) {
+      const int b = bucket_of(p, r, processed);
+      const int rank = claim_in_lane_order(mine, b);
+      if (b >= 0) p.sorted_ids[output_index(p, starts, b, rank)] = i;
+    });
   }
-  __syncthreads();
-  scan_padded_counts(p, nb, [&](int b) { return starts[b]; }, starts, warp_sums);
-  MLA_STAMP(0, 3);
-  for_routes<IdT>(p, lo + lane, 32, hi, [&](int i, Route r) {
-    const int b = bucket_of(p, r, processed);
-    const int rank = claim_in_lane_order(mine, b);
-    if (b >= 0) p.sorted_ids[output_index(p, starts, b, rank)] = i;
-  });
-  MLA_STAMP(0, 4);
   write_expert_ids(p, processed, starts, threadIdx.x, blockDim.x);
   write_totals(p, processed, starts);
 #ifdef MLA_PROBE
@@ -214,15 +118,15 @@ __device__ void align_in_one_block_det(const Problem& p) {
 #endif
 }
 
-template <typename IdT>
-__global__ void align_single_det(const Problem p) {
-  align_in_one_block_det<IdT>(p);
+template <typename IdT, bool DET>
+__global__ void align_single(const Problem p) {
+  align_in_one_block<IdT, DET>(p);
 }
 
-// Deterministic base and LoRA alignment in one launch: block 0 aligns `first`, block 1 `second`.
-template <typename IdT>
-__global__ void align_pair_det(const Problem first, const Problem second) {
-  align_in_one_block_det<IdT>(blockIdx.x == 0 ? first : second);
+// Base and LoRA alignment in one launch: block 0 aligns `first`, block 1 aligns `second`.
+template <typename IdT, bool DET>
+__global__ void align_pair(const Problem first, const Problem second) {
+  align_in_one_block<IdT, DET>(blockIdx.x == 0 ? first : second);
 }
 
 // ---------------------------------------------------------------------------------------------

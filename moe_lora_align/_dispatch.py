@@ -32,15 +32,13 @@ class DeviceLimits:
 
 @dataclass(frozen=True)
 class Launch:
-    """How one alignment runs: ``single`` (one launch) or ``multi`` (count, place)."""
+    """How one alignment runs: ``single`` (one block, one launch) or ``multi`` (count, place)."""
     variant: str              # "shared" or "global": where the counting histogram lives
     kind: str                 # "single" or "multi"
     deterministic: bool
     block: int                # threads per block
     grid: int = 1             # blocks of each launch (multi: of the place kernel)
     count_grid: int = 0       # multi: blocks of the count kernel (>= grid; extra ones fill)
-    grid_first: int = 0       # pair: blocks of the first (base) alignment
-    window: int = 0           # single, not deterministic: staging window, ints
     chunk: int = 0            # routes per chunk (multi)
     range_width: int = 0      # buckets per block (deterministic multi)
     ranges: int = 1           # bucket ranges per chunk (deterministic multi)
@@ -72,9 +70,7 @@ def shared_fits(num_buckets: int, rows: int, limits: DeviceLimits) -> bool:
 
 
 SINGLE_BLOCK_SIZES = (128, 256, 512, 1024)
-ENTRIES_PER_THREAD = 64       # output entries a thread of the deterministic block writes at most
-SMALL_ENTRIES_PER_BLOCK = 2048  # output entries each block of align_small writes (about)
-SMALL_WINDOW_MAX = 16384      # ints of align_small's staging window
+ENTRIES_PER_THREAD = 64       # output entries a thread of the single block writes at most
 
 
 def single_block_threads(numel: int, out_entries: int) -> int:
@@ -85,49 +81,15 @@ def single_block_threads(numel: int, out_entries: int) -> int:
     return BLOCK
 
 
-def small_threads(numel: int, num_buckets: int) -> int:
-    """align_small's block: every route in registers, at most 8 buckets a thread to scan."""
-    for block in SINGLE_BLOCK_SIZES:
-        if block * ITEMS_PER_THREAD >= numel and block * 8 >= num_buckets:
-            return block
-    return BLOCK
-
-
-def small_blocks(out_entries: int, limits: DeviceLimits) -> int:
-    """Blocks of align_small: enough that each writes about SMALL_ENTRIES_PER_BLOCK entries."""
-    return max(1, min(limits.sm_count, _ceil_div(out_entries, SMALL_ENTRIES_PER_BLOCK)))
-
-
-def small_smem_bytes(num_buckets: int, rows: int, window: int) -> int:
-    """kernels/align_kernels.cu: align_small_block's shared memory (counts, starts, window)."""
-    head = (row_region_bytes(rows) + 8 * (num_buckets + 1) + 15) & ~15
-    return head + 4 * window + SMEM_SLACK
-
-
-def small_window(numel: int, num_buckets: int, block_size: int, blocks: int) -> int:
-    """Staging window of align_small: one block's segments in one pass as a rule (the
-    kernel loops over windows when skewed counts make a block's run longer)."""
-    segments = numel + min(numel, num_buckets) * (block_size - 1)   # at most this many
-    per_block = _ceil_div(segments, blocks) + numel + block_size
-    w = min(segments, per_block, SMALL_WINDOW_MAX)
-    return max(4, (w + 3) & ~3)
-
-
-def _single_block(numel, num_buckets, rows, deterministic, limits, out_entries=0,
-                  block_size=1):
+def _single_block(numel, num_buckets, rows, deterministic, limits, out_entries=0):
     if numel > SINGLE_BLOCK_MAX_ROUTES:
         return None
     base = 4 * (num_buckets + 1) + row_region_bytes(rows) + SMEM_SLACK
-    if not deterministic:
-        blocks = small_blocks(out_entries, limits)
-        window = small_window(numel, num_buckets, block_size, blocks)
-        room = (limits.smem_optin - small_smem_bytes(num_buckets, rows, 0)) // 4 & ~3
-        if room < 4:
-            return None
-        window = min(window, room)
-        return Launch("shared", "single", False, small_threads(numel, num_buckets), grid=blocks,
-                      window=window, smem_single=small_smem_bytes(num_buckets, rows, window))
     block = single_block_threads(numel, out_entries)
+    if not deterministic:
+        if base > limits.smem_optin:
+            return None
+        return Launch("shared", "single", False, block, smem_single=base)
     # Deterministic: one unsigned short counter per (warp, bucket); fewer warps if they don't fit.
     for warps in (32, 16, 8, 4):
         if 32 * warps > block:
@@ -144,14 +106,12 @@ def _ceil_div(a, b):
 
 def choose_launch(numel: int, num_buckets: int, rows: int, limits: DeviceLimits, *,
                   deterministic: bool = False, variant: str | None = None,
-                  allow_single: bool = True, out_entries: int = 0,
-                  block_size: int = 1) -> Launch:
+                  allow_single: bool = True, out_entries: int = 0) -> Launch:
     """Pick the variant and launch geometry of one alignment.
 
     ``num_buckets`` is ``rows * num_experts``; ``out_entries`` the output entries written
-    (``rows * (P + M)``), which sizes the single launch and the fill. ``block_size`` sizes
-    the small kernel's staging window. ``variant`` forces "shared" or "global"; forcing
-    "shared" when its histogram cannot fit raises ``ValueError``.
+    (``rows * (P + M)``), which sizes the single block and the count kernel's fill. ``variant`` forces "shared" or
+    "global"; forcing "shared" when its histogram cannot fit raises ``ValueError``.
     """
     if variant is not None and variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS} or None, got {variant!r}")
@@ -164,8 +124,7 @@ def choose_launch(numel: int, num_buckets: int, rows: int, limits: DeviceLimits,
         )
     chosen = variant or ("shared" if fits else "global")
     if chosen == "shared" and allow_single:
-        single = _single_block(numel, num_buckets, rows, deterministic, limits, out_entries,
-                               block_size)
+        single = _single_block(numel, num_buckets, rows, deterministic, limits, out_entries)
         if single is not None:
             return single
 
@@ -220,31 +179,19 @@ def _with_starts_copy(smem, num_buckets, limits):
 
 
 def choose_pair(numel: int, base_buckets: int, lora_buckets: int, rows: int,
-                limits: DeviceLimits, *, deterministic: bool = False, out_entries: int = 0,
-                block_size: int = 1):
+                limits: DeviceLimits, *, deterministic: bool = False, out_entries: int = 0):
     """The fused single launch for base + LoRA, or ``None`` when either side needs more.
     ``out_entries``: output entries of the LoRA side (the larger)."""
-    base_entries = out_entries // max(rows, 1)
-    base = _single_block(numel, base_buckets, 1, deterministic, limits, base_entries,
-                         block_size)
-    lora = _single_block(numel, lora_buckets, rows, deterministic, limits, out_entries,
-                         block_size)
+    base = _single_block(numel, base_buckets, 1, deterministic, limits, out_entries // max(rows, 1))
+    lora = _single_block(numel, lora_buckets, rows, deterministic, limits, out_entries)
     if base is None or lora is None:
         return None
-    if not deterministic:
-        # One block size and one window for both sides; each keeps its own number of blocks.
-        window = max(base.window, lora.window)
-        smem = max(small_smem_bytes(base_buckets, 1, window),
-                   small_smem_bytes(lora_buckets, rows, window))
-        if smem > limits.smem_optin:
-            return None
-        return Launch("shared", "single", False, max(base.block, lora.block),
-                      grid=base.grid + lora.grid, grid_first=base.grid, window=window,
-                      smem_single=smem)
-    block = min(base.block, lora.block)
+    block = lora.block if not deterministic else min(base.block, lora.block)
     warps = block // 32
     even = lambda n: n + (n & 1)  # noqa: E731  (per-warp counter rows are 4-byte aligned)
-    smem = max(4 * (base_buckets + 1) + row_region_bytes(1) + 2 * warps * even(base_buckets),
-               4 * (lora_buckets + 1) + row_region_bytes(rows) + 2 * warps * even(lora_buckets))
-    return Launch("shared", "single", True, block, grid=2, grid_first=1,
+    smem = max(4 * (base_buckets + 1) + row_region_bytes(1)
+               + (2 * warps * even(base_buckets) if deterministic else 0),
+               4 * (lora_buckets + 1) + row_region_bytes(rows)
+               + (2 * warps * even(lora_buckets) if deterministic else 0))
+    return Launch("shared", "single", deterministic, block, grid=2,
                   smem_single=smem + SMEM_SLACK)

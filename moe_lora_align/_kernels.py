@@ -60,10 +60,10 @@ def kernel_names(dtype) -> dict:
     """Name expression of every kernel instantiation for one topk_ids dtype."""
     t = CTYPES[np.dtype(dtype)]
     names = {}
-    names[("single", False)] = f"align_small<{t}>"
-    names[("pair", False)] = f"align_small_pair<{t}>"
-    names[("single", True)] = f"align_single_det<{t}>"
-    names[("pair", True)] = f"align_pair_det<{t}>"
+    for det in (False, True):
+        d = "true" if det else "false"
+        names[("single", det)] = f"align_single<{t}, {d}>"
+        names[("pair", det)] = f"align_pair<{t}, {d}>"
     for mode in (0, 1, 2):
         names[("count", mode)] = f"align_count<{t}, {mode}>"
         names[("place", mode)] = f"align_place<{t}, {mode}>"

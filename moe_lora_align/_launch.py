@@ -26,8 +26,7 @@ _DIVISORS = ("topk", "block", "experts", "tiles")
 _MAGICS = tuple(x for d in _DIVISORS for x in ((d + "_magic", np.uint32), (d + "_shift", np.int32)))
 # Mirrors kernels/align_common.cuh: struct Problem.
 PROBLEM_DTYPE = np.dtype([(n, np.uint64) for n in _POINTERS] + [(n, np.int32) for n in _INTS]
-                         + list(_MAGICS) + [("blocks", np.int32), ("window", np.int32),
-                                            ("reserved_", np.int32)], align=True)
+                         + list(_MAGICS) + [("reserved_", np.int32)], align=True)
 
 MAP_NONE, MAP_BEFORE, MAP_AFTER = 0, 1, 2
 
@@ -108,7 +107,7 @@ def _ptr(x) -> int:
 
 
 # Little-endian, no padding: pointers, ints, then (magic, shift) pairs: PROBLEM_DTYPE's layout.
-_PACKER = struct.Struct("<%dQ%di%s3i" % (len(_POINTERS), len(_INTS), "Ii" * len(_DIVISORS)))
+_PACKER = struct.Struct("<%dQ%di%si" % (len(_POINTERS), len(_INTS), "Ii" * len(_DIVISORS)))
 assert _PACKER.size == PROBLEM_DTYPE.itemsize
 
 
@@ -124,12 +123,11 @@ def division_magic(d: int):
 _INPUT_POINTERS = struct.Struct("<5Q")  # the first five fields: the call's input arrays
 
 
-def pack(job: Job, launch: _dispatch.Launch, ws: Workspace, blocks: int | None = None) -> Job:
-    """Pack the kernels' ``Problem`` argument of one job into ``job.packed``; ``blocks``: the
-    blocks that share it (a pair launch splits its grid). A job reused with the same launch
-    and workspace (AlignPlan) keeps its packed bytes and only rewrites the input pointers."""
-    blocks = launch.grid if blocks is None else blocks
-    key = (launch, blocks, id(ws), ws.generation, job.map_mode,
+def pack(job: Job, launch: _dispatch.Launch, ws: Workspace) -> Job:
+    """Pack the kernels' ``Problem`` argument of one job into ``job.packed``. A job reused
+    with the same launch and workspace (AlignPlan) keeps its packed bytes and only rewrites
+    the input pointers."""
+    key = (launch, id(ws), ws.generation, job.map_mode,
            0 if job.lora_ids is None else int(job.lora_ids.shape[0]))
     if job.packed is not None and job.packed_key == key:
         _INPUT_POINTERS.pack_into(job.packed, 0, _ptr(job.topk_ids), _ptr(job.token_slot),
@@ -147,7 +145,7 @@ def pack(job: Job, launch: _dispatch.Launch, ws: Workspace, blocks: int | None =
         int(job.fill_unprocessed), launch.chunk, launch.range_width, launch.ranges,
         int(launch.starts_in_smem), int(launch.stage_output), *division_magic(max(job.topk, 1)),
         *division_magic(job.block_size), *division_magic(job.num_experts),
-        *division_magic(max(job.num_tiles, 1)), blocks, launch.window, 0)
+        *division_magic(max(job.num_tiles, 1)), 0)
     job.packed, job.packed_key = np.frombuffer(bytearray(raw), dtype=np.uint8), key
     job.params = np.array([job.packed.ctypes.data], dtype=np.uint64)
     return job
@@ -189,8 +187,7 @@ def launch_kernel(ks, key, grid: int, block: int, smem: int, stream, *jobs):
 def plan_launch(job: Job, device_id: int, variant=None) -> _dispatch.Launch:
     return _dispatch.choose_launch(job.numel, job.num_buckets, job.rows,
                                    device_limits(device_id), deterministic=job.deterministic,
-                                   variant=variant, out_entries=out_entries(job),
-                                   block_size=job.block_size)
+                                   variant=variant, out_entries=out_entries(job))
 
 
 def out_entries(job: Job) -> int:
@@ -232,15 +229,14 @@ def _current(stream):
 
 def launch_pair(base: Job, lora: Job, launch: _dispatch.Launch, ws_base: Workspace,
                 ws_lora: Workspace, stream, device_id: int):
-    """Both alignments in one launch: the first ``launch.grid_first`` blocks align ``base``,
-    the others ``lora`` (decode sizes)."""
+    """Both alignments in one launch of two blocks (decode sizes)."""
     ks = kernels_for(base.topk_ids.dtype, device_id,
                      device_limits(device_id).smem_optin)
     ws_base.ensure(1, 0)
     ws_lora.ensure(1, 0)
-    pack(base, launch, ws_base, launch.grid_first)
-    pack(lora, launch, ws_lora, launch.grid - launch.grid_first)
-    launch_kernel(ks, ("pair", launch.deterministic), launch.grid, launch.block,
+    pack(base, launch, ws_base)
+    pack(lora, launch, ws_lora)
+    launch_kernel(ks, ("pair", launch.deterministic), 2, launch.block,
                   launch.smem_single, stream, base, lora)
 
 
@@ -300,7 +296,7 @@ def choose_streams(base: Job, lora: Job, device_id: int, streams=None, variant=N
     if variant in (None, "shared"):
         pair = _dispatch.choose_pair(base.numel, base.num_buckets, lora.num_buckets, lora.rows,
                                      device_limits(device_id), deterministic=base.deterministic,
-                                     out_entries=out_entries(lora), block_size=base.block_size)
+                                     out_entries=out_entries(lora))
     if streams == "fused" and pair is None:
         raise ValueError("streams='fused' needs both alignments to fit one block each "
                          f"(at most {_dispatch.SINGLE_BLOCK_MAX_ROUTES} routes and a shared "

@@ -69,6 +69,7 @@ class AlignPlan:
         self.ignore_invalid_experts = bool(ignore_invalid_experts)
         self.deterministic = bool(deterministic)
         self.variant, self.streams = variant, streams
+        self._cupy_array = cupy.ndarray
         self.device_id = cupy.cuda.Device(device).id if device is not None else \
             cupy.cuda.Device().id
         rows = self.max_loras or 1
@@ -105,16 +106,14 @@ class AlignPlan:
         P, M = buffer_sizes(numel, self.num_experts, self.block_size, self.pad_sorted_ids)
         E = self.num_experts
         base = choose_launch(numel, E, 1, self.limits, deterministic=self.deterministic,
-                             variant=self.variant, out_entries=P + M,
-                             block_size=self.block_size)
+                             variant=self.variant, out_entries=P + M)
         self._base_ws.ensure(*workspace_needs(base, E))
         lora = None
         if self.max_loras is not None:
             nb = self.max_loras * E
             lora = choose_launch(numel, nb, self.max_loras, self.limits,
                                  deterministic=self.deterministic, variant=self.variant,
-                                 out_entries=self.max_loras * (P + M),
-                                 block_size=self.block_size)
+                                 out_entries=self.max_loras * (P + M))
             self._lora_ws.ensure(*workspace_needs(lora, nb))
         g = self._launches[numel] = (P, M, base, lora)
         return g
@@ -124,11 +123,15 @@ class AlignPlan:
         named = {"topk_ids": topk_ids, "token_lora_mapping": token_lora_mapping,
                  "lora_ids": lora_ids, "adapter_enabled": adapter_enabled,
                  "expert_map": expert_map}
-        where, framework = _interop.classify(named)
-        if where != _interop.DEVICE:
-            raise ValueError("AlignPlan runs on the GPU: pass device arrays (CuPy, PyTorch "
-                             "CUDA or JAX GPU); use the public functions for host arrays")
-        native = {k: _interop.to_native(v, where) for k, v in named.items()}
+        if all(x is None or type(x) is self._cupy_array for x in named.values()):
+            framework, native = "cupy", named  # the common case, without the interop walk
+        else:
+            where, framework = _interop.classify(named)
+            if where != _interop.DEVICE:
+                raise ValueError("AlignPlan runs on the GPU: pass device arrays (CuPy, "
+                                 "PyTorch CUDA or JAX GPU); use the public functions for "
+                                 "host arrays")
+            native = {k: _interop.to_native(v, where) for k, v in named.items()}
         dev = _checks.check_same_device(native)
         if dev != self.device_id:
             raise ValueError(f"inputs are on GPU {dev} but the plan was built for GPU "

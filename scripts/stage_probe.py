@@ -75,7 +75,7 @@ CASES = [  # op, T, E, K, B, L
     ("base", 16384, 256, 8, 64, None), ("base", 65536, 256, 8, 64, None),
     ("lora", 4096, 256, 8, 64, 16), ("lora", 16384, 256, 8, 64, 16),
 ]
-STAGES = {0: ["entry", "rows", "claim", "scan", "segments", "tails", "end"],
+STAGES = {0: ["entry", "rows+fill", "claim", "scan", "stores", "end"],
           1: ["entry", "rows", "claim", "flush", "ticket", "scan", "end"],
           2: ["entry", "expert_ids", "claim", "base", "scan", "staged", "end"]}
 KERNEL = {0: "single", 1: "count", 2: "place"}

@@ -76,46 +76,19 @@ def test_single_block_deterministic_uses_fewer_warps_for_many_buckets():
 
 
 def test_pair_fuses_decode_and_declines_prefill():
-    pair = d.choose_pair(2048, 256, 16 * 256, 16, H200, out_entries=16 * 6256, block_size=16)
-    assert pair is not None and pair.smem_single <= H200.smem_optin
-    # Each side keeps its own share of the blocks: the LoRA side writes 16 times more.
-    assert 1 <= pair.grid_first < pair.grid - pair.grid_first
+    pair = d.choose_pair(2048, 256, 16 * 256, 16, H200)
+    assert pair is not None and pair.grid == 2 and pair.smem_single <= H200.smem_optin
     assert d.choose_pair(65536, 256, 16 * 256, 16, H200) is None
     assert d.choose_pair(2048, 256, 65536, 16, H200) is None
-    det = d.choose_pair(2048, 256, 16 * 256, 16, H200, deterministic=True)
-    assert det is not None and (det.grid, det.grid_first) == (2, 1)
 
 
 @pytest.mark.parametrize("numel,entries,threads", [
     (1, 0, 128), (512, 0, 128), (513, 0, 256), (2048, 0, 512), (4096, 0, 1024),
     (8, 128 * 64 + 1, 256), (8, 10**6, 1024)])
-def test_deterministic_block_size_follows_the_work(numel, entries, threads):
+def test_single_block_size_follows_the_work(numel, entries, threads):
     assert d.single_block_threads(numel, entries) == threads
-    launch = d.choose_launch(numel, 64, 1, H200, out_entries=entries, deterministic=True)
-    assert launch.kind == "single" and launch.block == threads and launch.grid == 1
-
-
-@pytest.mark.parametrize("numel,buckets,entries,blocks,threads", [
-    (1, 64, 968 + 61, 1, 128), (2048, 256, 5888 + 368, 4, 512),
-    (8, 16 * 256, 16 * (3848 + 241), 32, 512), (4096, 16 * 512, 10**7, 132, 1024)])
-def test_small_kernel_spreads_the_output_over_blocks(numel, buckets, entries, blocks, threads):
-    """align_small: every block holds all routes; the blocks share the output writes."""
-    launch = d.choose_launch(numel, buckets, buckets // 64 if buckets > 512 else 1, H200,
-                             out_entries=entries, block_size=16)
-    assert (launch.kind, launch.grid, launch.block) == ("single", blocks, threads)
-    assert launch.window % 4 == 0 and launch.window >= 4
-    assert launch.smem_single == d.small_smem_bytes(buckets, buckets // 64 if buckets > 512
-                                                    else 1, launch.window)
-    assert launch.smem_single <= H200.smem_optin
-
-
-def test_small_window_covers_a_block_share():
-    # 2048 routes, 256 buckets, block 16, 4 blocks: the segments (at most 5888 entries) in
-    # one pass per block as a rule, never more than the cap.
-    w = d.small_window(2048, 256, 16, 4)
-    assert w >= 5888 // 4 and w % 4 == 0
-    assert d.small_window(4096, 8192, 64, 1) == d.SMALL_WINDOW_MAX
-    assert d.small_window(0, 64, 16, 1) == 4
+    launch = d.choose_launch(numel, 64, 1, H200, out_entries=entries)
+    assert launch.kind == "single" and launch.block == threads
 
 
 def test_fill_blocks_join_the_count_kernel():
@@ -123,14 +96,16 @@ def test_fill_blocks_join_the_count_kernel():
     launch = d.choose_launch(4096 * 8, 16 * 256, 16, H200, out_entries=16 * (48896 + 764))
     assert launch.kind == "multi" and launch.grid == 32
     assert launch.count_grid == -(-16 * (48896 + 764) // d.FILL_PER_BLOCK) > launch.grid
+    assert d.choose_launch(65536 * 8, 256, 1, H200, out_entries=10**9).count_grid == \
+        H200.sm_count
     det = d.choose_launch(4096 * 8, 16 * 256, 16, H200, out_entries=16 * 48896,
                           deterministic=True)
     assert det.count_grid == det.grid
 
 
-def test_packed_argument_holds_the_launch_and_its_address():
-    """The packed Problem carries each side's blocks and the window; the driver gets its
-    address, and a repack for new inputs only rewrites the input pointers in place."""
+def test_packed_argument_and_its_address():
+    """The driver gets the packed Problem's address; a repack for new inputs rewrites only the
+    input pointers, in place."""
     from types import SimpleNamespace
 
     from moe_lora_align import _launch
@@ -144,14 +119,13 @@ def test_packed_argument_holds_the_launch_and_its_address():
                       rows=1, padded_len=968, num_tiles=61, sorted_ids=dev(0x2000),
                       expert_ids=dev(0x3000), num_post_pad=dev(0x4000), sorted_pitch=968,
                       expert_pitch=61)
-    pair = d.choose_pair(8, 64, 4 * 64, 4, H200, out_entries=4 * 1029, block_size=16)
-    _launch.pack(job, pair, ws, pair.grid_first)
+    launch = d.choose_launch(8, 64, 1, H200, out_entries=968 + 61)
+    _launch.pack(job, launch, ws)
     fields = np.frombuffer(job.packed, dtype=_launch.PROBLEM_DTYPE)[0]
-    assert (fields["blocks"], fields["window"]) == (pair.grid_first, pair.window)
-    assert fields["topk_ids"] == 0x1000 and fields["numel"] == 8
+    assert fields["topk_ids"] == 0x1000 and fields["numel"] == 8 and fields["ticket"] == 5
     assert int(job.params[0]) == job.packed.ctypes.data
     before = job.packed.ctypes.data
     job.topk_ids = dev(0x5000)
-    _launch.pack(job, pair, ws, pair.grid_first)
+    _launch.pack(job, launch, ws)
     assert job.packed.ctypes.data == before
     assert np.frombuffer(job.packed, dtype=_launch.PROBLEM_DTYPE)[0]["topk_ids"] == 0x5000
