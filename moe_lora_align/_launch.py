@@ -96,6 +96,8 @@ class Job:
     packed: object = None       # the packed kernel argument (uint8 array) and what it was
     packed_key: object = None   #   packed for
     params: object = None       # kernel-parameter array for the driver: [address of packed]
+    params_addr: int = 0        # its address (ndarray.ctypes costs a microsecond per call)
+    pair_params: object = None  # second job of a pair launch: both params, the pair's array
 
     @property
     def num_buckets(self) -> int:
@@ -148,6 +150,7 @@ def pack(job: Job, launch: _dispatch.Launch, ws: Workspace) -> Job:
         *division_magic(max(job.num_tiles, 1)), 0)
     job.packed, job.packed_key = np.frombuffer(bytearray(raw), dtype=np.uint8), key
     job.params = np.array([job.packed.ctypes.data], dtype=np.uint64)
+    job.params_addr = job.params.ctypes.data
     return job
 
 
@@ -163,6 +166,18 @@ def _direct_launcher():
 _LAUNCH_KERNEL = None
 
 
+def _params_address(jobs) -> int:
+    """Address of the driver's kernel-parameter array: one pointer per packed job."""
+    if len(jobs) == 1:
+        return jobs[0].params_addr
+    first, second = jobs
+    cached = second.pair_params  # held references, so an identity check is safe
+    if cached is None or cached[0] is not first.params or cached[1] is not second.params:
+        arr = np.array([first.params[0], second.params[0]], dtype=np.uint64)
+        cached = second.pair_params = (first.params, second.params, arr, arr.ctypes.data)
+    return cached[3]
+
+
 def launch_kernel(ks, key, grid: int, block: int, smem: int, stream, *jobs):
     """Launch kernel ``key`` with the packed ``jobs`` as its arguments on ``stream``.
 
@@ -175,9 +190,7 @@ def launch_kernel(ks, key, grid: int, block: int, smem: int, stream, *jobs):
         _LAUNCH_KERNEL = _direct_launcher() or False
     fn = ks.handles.get(key)
     if _LAUNCH_KERNEL and fn:
-        params = jobs[0].params if len(jobs) == 1 else np.array(
-            [j.params[0] for j in jobs], dtype=np.uint64)
-        _LAUNCH_KERNEL(fn, grid, 1, 1, block, 1, 1, smem, stream.ptr, params.ctypes.data, 0)
+        _LAUNCH_KERNEL(fn, grid, 1, 1, block, 1, 1, smem, stream.ptr, _params_address(jobs), 0)
         return
     args = tuple(np.frombuffer(j.packed, dtype=PROBLEM_DTYPE)[0] for j in jobs)
     with _current(stream):  # CuPy launches on the current stream

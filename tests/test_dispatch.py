@@ -129,3 +129,18 @@ def test_packed_argument_and_its_address():
     _launch.pack(job, launch, ws)
     assert job.packed.ctypes.data == before
     assert np.frombuffer(job.packed, dtype=_launch.PROBLEM_DTYPE)[0]["topk_ids"] == 0x5000
+
+
+def test_pair_parameter_array_follows_repacks():
+    from types import SimpleNamespace
+
+    from moe_lora_align import _launch
+
+    a = SimpleNamespace(params=np.array([11], np.uint64), params_addr=0)
+    b = SimpleNamespace(params=np.array([22], np.uint64), params_addr=0, pair_params=None)
+    first = _launch._params_address((a, b))
+    assert _launch._params_address((a, b)) == first
+    assert list(b.pair_params[2]) == [11, 22]
+    b.params = np.array([33], np.uint64)  # a repack makes a new parameter array
+    _launch._params_address((a, b))
+    assert list(b.pair_params[2]) == [11, 33]
