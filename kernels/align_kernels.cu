@@ -195,9 +195,12 @@ __global__ void align_count(const Problem p) {
   if (threadIdx.x == 0) is_last = atomicAdd(p.ticket, 1u) == gridDim.x - 1;
   __syncthreads();
   MLA_STAMP(1, 4);
-  if (!is_last) {
+  const auto fill_share = [&] {
     fill_rows(p, processed, p.sorted_ids, p.sorted_pitch, p.padded_len, p.numel,
               blockIdx.x * blockDim.x + threadIdx.x, gridDim.x * blockDim.x);
+  };
+  if (!is_last) {
+    fill_share();
     return;
   }
   __threadfence();
@@ -250,8 +253,7 @@ __global__ void align_count(const Problem p) {
   }
   write_totals(p, processed, starts);
   if (threadIdx.x == 0) *p.ticket = 0u;
-  fill_rows(p, processed, p.sorted_ids, p.sorted_pitch, p.padded_len, p.numel,
-            blockIdx.x * blockDim.x + threadIdx.x, gridDim.x * blockDim.x);
+  fill_share();  // the last block's share, after the scan the place kernel waits for
 #ifdef MLA_PROBE
   __syncthreads();
   MLA_STAMP(1, 6);

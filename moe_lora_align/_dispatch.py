@@ -38,7 +38,7 @@ class Launch:
     deterministic: bool
     block: int                # threads per block
     grid: int = 1             # blocks of each launch (multi: of the place kernel)
-    count_grid: int = 0       # multi: blocks of the count kernel (>= grid; extra ones fill)
+    count_grid: int = 1       # multi: blocks of the count kernel (>= grid; extra ones fill)
     chunk: int = 0            # routes per chunk (multi)
     range_width: int = 0      # buckets per block (deterministic multi)
     ranges: int = 1           # bucket ranges per chunk (deterministic multi)
@@ -110,8 +110,9 @@ def choose_launch(numel: int, num_buckets: int, rows: int, limits: DeviceLimits,
     """Pick the variant and launch geometry of one alignment.
 
     ``num_buckets`` is ``rows * num_experts``; ``out_entries`` the output entries written
-    (``rows * (P + M)``), which sizes the single block and the count kernel's fill. ``variant`` forces "shared" or
-    "global"; forcing "shared" when its histogram cannot fit raises ``ValueError``.
+    (``rows * (P + M)``), which sizes the single block and the count kernel's fill.
+    ``variant`` forces "shared" or "global"; forcing "shared" when its histogram cannot fit
+    raises ``ValueError``.
     """
     if variant is not None and variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS} or None, got {variant!r}")

@@ -125,7 +125,7 @@ def division_magic(d: int):
 _INPUT_POINTERS = struct.Struct("<5Q")  # the first five fields: the call's input arrays
 
 
-def pack(job: Job, launch: _dispatch.Launch, ws: Workspace) -> Job:
+def pack(job: Job, launch: _dispatch.Launch, ws: Workspace) -> None:
     """Pack the kernels' ``Problem`` argument of one job into ``job.packed``. A job reused
     with the same launch and workspace (AlignPlan) keeps its packed bytes and only rewrites
     the input pointers."""
@@ -135,7 +135,7 @@ def pack(job: Job, launch: _dispatch.Launch, ws: Workspace) -> Job:
         _INPUT_POINTERS.pack_into(job.packed, 0, _ptr(job.topk_ids), _ptr(job.token_slot),
                                   _ptr(job.lora_ids), _ptr(job.adapter_enabled),
                                   _ptr(job.expert_map))
-        return job
+        return
     raw = _PACKER.pack(
         _ptr(job.topk_ids), _ptr(job.token_slot), _ptr(job.lora_ids),
         _ptr(job.adapter_enabled), _ptr(job.expert_map), _ptr(job.sorted_ids),
@@ -151,9 +151,9 @@ def pack(job: Job, launch: _dispatch.Launch, ws: Workspace) -> Job:
     job.packed, job.packed_key = np.frombuffer(bytearray(raw), dtype=np.uint8), key
     job.params = np.array([job.packed.ctypes.data], dtype=np.uint64)
     job.params_addr = job.params.ctypes.data
-    return job
 
 
+@functools.lru_cache(maxsize=None)
 def _direct_launcher():
     """The driver's cuLaunchKernel as CuPy exposes it, or None (then CuPy's kernel call)."""
     try:
@@ -161,9 +161,6 @@ def _direct_launcher():
     except ImportError:
         return None
     return launchKernel
-
-
-_LAUNCH_KERNEL = None
 
 
 def _params_address(jobs) -> int:
@@ -185,12 +182,9 @@ def launch_kernel(ks, key, grid: int, block: int, smem: int, stream, *jobs):
     this skips CuPy's per-call argument conversion (several microseconds of an eager call).
     The driver copies the parameters at the call, so the packed bytes may change right after.
     """
-    global _LAUNCH_KERNEL
-    if _LAUNCH_KERNEL is None:
-        _LAUNCH_KERNEL = _direct_launcher() or False
-    fn = ks.handles.get(key)
-    if _LAUNCH_KERNEL and fn:
-        _LAUNCH_KERNEL(fn, grid, 1, 1, block, 1, 1, smem, stream.ptr, _params_address(jobs), 0)
+    launch, fn = _direct_launcher(), ks.handles.get(key)
+    if launch is not None and fn:
+        launch(fn, grid, 1, 1, block, 1, 1, smem, stream.ptr, _params_address(jobs), 0)
         return
     args = tuple(np.frombuffer(j.packed, dtype=PROBLEM_DTYPE)[0] for j in jobs)
     with _current(stream):  # CuPy launches on the current stream
@@ -225,7 +219,7 @@ def launch_one(job: Job, launch: _dispatch.Launch, ws: Workspace, stream, device
         launch_kernel(ks, ("single", launch.deterministic), launch.grid, launch.block,
                       launch.smem_single, stream, job)
         return
-    launch_kernel(ks, ("count", launch.mode), max(launch.count_grid, launch.grid), launch.block,
+    launch_kernel(ks, ("count", launch.mode), launch.count_grid, launch.block,
                   launch.smem_count, stream, job)
     launch_kernel(ks, ("place", launch.mode), launch.grid, launch.block, launch.smem_place,
                   stream, job)

@@ -43,6 +43,7 @@ def test_decisions(numel, buckets, rows, limits, det, variant, expect):
         chunks = launch.grid // launch.ranges
         assert chunks * launch.chunk >= numel
         assert launch.chunk >= 1
+        assert launch.grid <= launch.count_grid <= max(launch.grid, limits.sm_count)
         if det:
             assert launch.chunk <= d.WARP_COUNTER_MAX
             assert launch.ranges * launch.range_width >= buckets
