@@ -1,0 +1,130 @@
+"""Two questions about the one-block decode kernel, answered on the GPU machine.
+
+  python3 scripts/decode_experiment.py [--out DIR]
+
+1. Block size: graph-replay µs of decode cases with the single block forced to 128, 256, 512
+   and 1024 threads (the dispatcher sizes it from routes and output entries only; the scan
+   and the zeroing also loop over the buckets, 4096 of them for LoRA E=256 x 16 slots).
+2. Cold or busy: built with -DMLA_PROBE -DMLA_TWICE, the kernel runs the same alignment twice
+   in one block and stamps both passes. A second pass much faster than the first means the
+   time goes to cold caches (instructions, constants) on the SM that the call landed on, not
+   to the work.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import cupy
+import numpy as np
+
+import moe_lora_align as mla
+from moe_lora_align import _dispatch, _kernels
+from moe_lora_align.bench import graph_us, lora_inputs, routing
+
+CASES = [  # op, T, E, K, B, L
+    ("base", 1, 64, 8, 16, None), ("base", 1, 512, 10, 16, None),
+    ("base", 64, 256, 8, 16, None), ("base", 256, 256, 8, 16, None),
+    ("base", 256, 512, 10, 16, None),
+    ("lora", 1, 64, 6, 16, 16), ("lora", 1, 256, 8, 16, 16), ("lora", 16, 256, 8, 16, 16),
+    ("lora", 256, 64, 6, 16, 16), ("lora", 256, 256, 8, 16, 16),
+    ("pair", 1, 64, 8, 16, 4), ("pair", 64, 256, 8, 16, 16),
+]
+STAGES = ["entry", "rows+fill", "claim", "scan", "stores", "end"]
+
+
+def make_call(case, stream):
+    op, T, E, K, B, L = case
+    rng = np.random.default_rng(T * 7 + E)
+    ids = cupy.asarray(routing(rng, T, K, E, "uniform"))
+    if op == "base":
+        plan = mla.AlignPlan(T, K, E, B)
+        return lambda: plan(ids, stream=stream)
+    mapping, lora_ids, enabled = (cupy.asarray(x) for x in lora_inputs(rng, T, L))
+    if op == "pair":
+        plan = mla.AlignPlan(T, K, E, B, max_loras=L)
+        return lambda: plan(ids, mapping, stream=stream)
+    P, M = mla.buffer_sizes(T * K, E, B)
+    out = [cupy.full((L, P), T * K, np.int32), cupy.full((L, M), -1, np.int32),
+           cupy.zeros(L, np.int32)]
+    return lambda: mla.moe_lora_align_block_size(ids, mapping, B, E, L, lora_ids=lora_ids,
+                                                 adapter_enabled=enabled, out=out,
+                                                 stream=stream)
+
+
+def block_sweep(stream):
+    chosen = _dispatch.single_block_threads
+    res = {}
+    try:
+        for case in CASES:
+            row = {}
+            numel = case[1] * case[3]
+            for block in (None, 128, 256, 512, 1024):
+                if block is not None and block * _dispatch.ITEMS_PER_THREAD < numel:
+                    continue
+                _dispatch.single_block_threads = (
+                    chosen if block is None else (lambda n, o, b=block: b))
+                row[str(block or "auto")] = graph_us(make_call(case, stream), stream)
+            res[str(case)] = row
+            print(f"  {case!s:36s} " + "  ".join(f"{k}={v:6.2f}" for k, v in row.items()),
+                  flush=True)
+    finally:
+        _dispatch.single_block_threads = chosen
+    return res
+
+
+def twice(stream):
+    base_opts = _kernels.COMPILE_OPTIONS
+    _kernels.COMPILE_OPTIONS = base_opts + ("-DMLA_PROBE", "-DMLA_TWICE")
+    _kernels._loaded.clear()
+    out = {}
+    try:
+        for case in CASES:
+            fn = make_call(case, stream)
+            us = graph_us(fn, stream)
+            ks = next(iter(_kernels._loaded.values()))
+            buf = cupy.ndarray((3, 160, 8, 2), np.uint64, ks.module.get_global("mla_probe"))
+            runs = {0: [], 1: []}
+            for _ in range(15):
+                buf.fill(0)
+                with stream:
+                    fn()
+                stream.synchronize()
+                b = cupy.asnumpy(buf).astype(np.int64)
+                for k in (0, 1):
+                    blocks = [blk for blk in range(160) if b[k, blk, 0, 0]]
+                    for blk in blocks:
+                        runs[k].append([int(b[k, blk, s, 0] - b[k, blk, 0, 0])
+                                        for s in range(len(STAGES))])
+            med = {k: [int(statistics.median(r[s] for r in v)) for s in range(len(STAGES))]
+                   for k, v in runs.items() if v}
+            out[str(case)] = {"graph_us_twice": us, "cycles": med}
+            text = "; ".join(
+                f"pass {k + 1}: " + " ".join(f"{n} {c}" for n, c in zip(STAGES[1:], m[1:]))
+                for k, m in med.items())
+            print(f"  {case!s:36s} {us:6.2f} us  {text}", flush=True)
+    finally:
+        _kernels.COMPILE_OPTIONS = base_opts
+        _kernels._loaded.clear()
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, default=Path("decode-out"))
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    print("== single-block threads (graph us per call; auto = the dispatcher's choice)")
+    report = {"block_sweep": block_sweep(stream)}
+    print("== twice in one block (-DMLA_TWICE): median cycles from entry, 15 eager calls")
+    report["twice"] = twice(stream)
+    (args.out / "decode.json").write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
