@@ -9,7 +9,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import struct
+import threading
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -125,6 +127,13 @@ def division_magic(d: int):
 _INPUT_POINTERS = struct.Struct("<5Q")  # the first five fields: the call's input arrays
 
 
+def set_input_pointers(packed, topk_ids: int, token_slot: int, lora_ids: int,
+                       adapter_enabled: int, expert_map: int) -> None:
+    """Point a packed ``Problem`` at a call's inputs (device addresses, 0 for none)."""
+    _INPUT_POINTERS.pack_into(packed, 0, topk_ids, token_slot, lora_ids, adapter_enabled,
+                              expert_map)
+
+
 def pack(job: Job, launch: _dispatch.Launch, ws: Workspace) -> None:
     """Pack the kernels' ``Problem`` argument of one job into ``job.packed``. A job reused
     with the same launch and workspace (AlignPlan) keeps its packed bytes and only rewrites
@@ -132,9 +141,8 @@ def pack(job: Job, launch: _dispatch.Launch, ws: Workspace) -> None:
     key = (launch, id(ws), ws.generation, job.map_mode,
            0 if job.lora_ids is None else int(job.lora_ids.shape[0]))
     if job.packed is not None and job.packed_key == key:
-        _INPUT_POINTERS.pack_into(job.packed, 0, _ptr(job.topk_ids), _ptr(job.token_slot),
-                                  _ptr(job.lora_ids), _ptr(job.adapter_enabled),
-                                  _ptr(job.expert_map))
+        set_input_pointers(job.packed, _ptr(job.topk_ids), _ptr(job.token_slot),
+                           _ptr(job.lora_ids), _ptr(job.adapter_enabled), _ptr(job.expert_map))
         return
     raw = _PACKER.pack(
         _ptr(job.topk_ids), _ptr(job.token_slot), _ptr(job.lora_ids),
@@ -175,6 +183,39 @@ def _params_address(jobs) -> int:
     return cached[3]
 
 
+class RecordedLaunch(NamedTuple):
+    """One direct launch as ``record_launches`` saw it: enough to issue it again."""
+    fn: int
+    grid: int
+    block: int
+    smem: int
+    stream_ptr: int
+    params_addr: int
+    held: tuple     # (job, packed, params, pair_params) of each job: what params_addr points into
+
+
+_recorder = threading.local()
+
+
+@contextlib.contextmanager
+def record_launches():
+    """Collect this thread's ``launch_kernel`` calls in a list (``None`` for one that went
+    through CuPy's call and so cannot be replayed); AlignPlan builds its replays from it."""
+    _recorder.launches = recorded = []
+    try:
+        yield recorded
+    finally:
+        _recorder.launches = None
+
+
+def replay_launches(launches, stream_ptr: int) -> None:
+    """Issue recorded direct launches again, on ``stream_ptr``, with their packed arguments
+    as they are now (the caller rewrites the input pointers first)."""
+    launch = _direct_launcher()
+    for r in launches:
+        launch(r.fn, r.grid, 1, 1, r.block, 1, 1, r.smem, stream_ptr, r.params_addr, 0)
+
+
 def launch_kernel(ks, key, grid: int, block: int, smem: int, stream, *jobs):
     """Launch kernel ``key`` with the packed ``jobs`` as its arguments on ``stream``.
 
@@ -183,9 +224,17 @@ def launch_kernel(ks, key, grid: int, block: int, smem: int, stream, *jobs):
     The driver copies the parameters at the call, so the packed bytes may change right after.
     """
     launch, fn = _direct_launcher(), ks.handles.get(key)
+    recorded = getattr(_recorder, "launches", None)
     if launch is not None and fn:
-        launch(fn, grid, 1, 1, block, 1, 1, smem, stream.ptr, _params_address(jobs), 0)
+        address = _params_address(jobs)
+        launch(fn, grid, 1, 1, block, 1, 1, smem, stream.ptr, address, 0)
+        if recorded is not None:
+            # The arrays behind `address`, kept alive as long as the recording is.
+            held = tuple((j, j.packed, j.params, j.pair_params) for j in jobs)
+            recorded.append(RecordedLaunch(fn, grid, block, smem, stream.ptr, address, held))
         return
+    if recorded is not None:
+        recorded.append(None)  # CuPy's own launch cannot be replayed
     args = tuple(np.frombuffer(j.packed, dtype=PROBLEM_DTYPE)[0] for j in jobs)
     with _current(stream):  # CuPy launches on the current stream
         ks[key]((grid,), (block,), args, shared_mem=smem)

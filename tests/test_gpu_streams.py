@@ -133,6 +133,54 @@ def test_plan_reuse_across_sizes():
         _check(base, lora, ids, mapping, lora_ids, enabled, B, E, L)
 
 
+@pytest.mark.parametrize("streams", [None, "one", "two", "fused"])
+@pytest.mark.parametrize("T,E,K,B,L", [(1, 64, 8, 16, 4), (255, 256, 8, 16, 16),
+                                       (4096, 128, 4, 64, 4)])
+def test_plan_replayed_calls_see_new_inputs(T, E, K, B, L, streams):
+    """Calls after the first replay its launches: fresh arrays (new addresses), new values,
+    other streams, outputs poisoned in between; every result equals the oracle's."""
+    if streams == "fused" and T * K > 4096:
+        pytest.skip("the fused launch holds at most 4096 routes")
+    plan = mla.AlignPlan(T, K, E, B, max_loras=L, streams=streams)
+    s1, s2 = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+    for seed, stream in zip(range(30, 36), (s1, s2, s1, None, s2, s1)):
+        ids, mapping, lora_ids, enabled = _inputs(T, E, K, L, seed=seed)
+        d = [cupy.asarray(x) for x in (ids, mapping, lora_ids, enabled)]
+        cupy.cuda.Device().synchronize()
+        base, lora = plan(d[0], d[1], lora_ids=d[2], adapter_enabled=d[3], stream=stream)
+        cupy.cuda.Device().synchronize()
+        _check(base, lora, ids, mapping, lora_ids, enabled, B, E, L)
+        for x in (*base, *lora):
+            x.fill(-5)
+    (mode, _), = plan._stream_choice.values()
+    assert len(plan._replays) == (0 if mode == "two" else 1)  # forks are not replayed
+
+
+def test_plan_replays_keep_each_call_kind_apart():
+    """Base-only plan: sizes and expert-map use interleaved, each replaying its own launches."""
+    E, K, B = 32, 4, 16
+    plan = mla.AlignPlan(256, K, E, B, ignore_invalid_experts=True)
+    rng = np.random.default_rng(41)
+    emap = np.full(E, -1, np.int32)
+    local = rng.choice(E, size=E // 2, replace=False)
+    emap[local] = np.arange(local.size, dtype=np.int32)
+    for T, use_map in [(64, False), (64, True), (64, False), (17, True), (64, True),
+                       (17, False), (64, False), (17, True), (256, False), (64, True)]:
+        ids = make_routing(rng, T, K, E, np.int32, "invalid")
+        m = emap if use_map else None
+        got = plan(cupy.asarray(ids), expert_map=None if m is None else cupy.asarray(m))
+        cupy.cuda.Device().synchronize()
+        ref = mla.moe_align_block_size(ids, B, E, expert_map=m, ignore_invalid_experts=True)
+        st = segment_starts(ids, E, B, expert_map=m, map_before=True)
+        g = [cupy.asnumpy(x) for x in got]
+        np.testing.assert_array_equal(canonical(g[0][None], st), canonical(ref[0][None], st))
+        np.testing.assert_array_equal(g[1], ref[1])
+        np.testing.assert_array_equal(g[2], ref[2])
+        for x in got:
+            x.fill(-5)
+    assert len(plan._replays) == 5  # (64 | 17 | 256) x (map | none), 256 with a map unseen
+
+
 def test_plan_rejects_inputs_beyond_it():
     plan = mla.AlignPlan(64, 8, 32, 16)
     with pytest.raises(ValueError, match="max_tokens"):
