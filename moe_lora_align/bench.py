@@ -325,18 +325,19 @@ def versions():
 
 
 def _git_commit():
-    """The checkout's commit: from git, else from a COMMIT file at the repository root (the
-    GPU machine gets a copy of the tree without .git)."""
+    """The checkout's commit: from a COMMIT file at the repository root where there is one
+    (written for runs on the GPU machine, whose copy of the tree has no usable .git), else
+    from git."""
     root = Path(__file__).resolve().parent.parent
+    marker = root / "COMMIT"
+    if marker.is_file() and marker.read_text().strip():
+        return marker.read_text().strip()
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                              text=True, cwd=root).stdout.strip()
-        if out:
-            return out
+        return out or None
     except OSError:
-        pass
-    marker = root / "COMMIT"
-    return marker.read_text().strip() or None if marker.is_file() else None
+        return None
 
 
 def fmt(x, width=8):

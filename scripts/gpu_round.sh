@@ -12,7 +12,7 @@ step() { echo; echo "=== $* ($(date +%T))"; }
 step versions
 { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
   python3 -c "import sys, cupy, numpy; print(sys.version); print('cupy', cupy.__version__, 'numpy', numpy.__version__, 'cuda runtime', cupy.cuda.runtime.runtimeGetVersion())"
-  echo "commit: $(git rev-parse --short HEAD 2>/dev/null || cat COMMIT 2>/dev/null)"
+  echo "commit: $(cat COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null)"
 } 2>&1 | tee "$OUT/versions.txt"
 
 step install

@@ -83,12 +83,14 @@ def test_pair_fuses_decode_and_declines_prefill():
     assert d.choose_pair(2048, 256, 65536, 16, H200) is None
 
 
-@pytest.mark.parametrize("numel,entries,threads", [
-    (1, 0, 128), (512, 0, 128), (513, 0, 256), (2048, 0, 512), (4096, 0, 1024),
-    (8, 128 * 64 + 1, 256), (8, 10**6, 1024)])
-def test_single_block_size_follows_the_work(numel, entries, threads):
-    assert d.single_block_threads(numel, entries) == threads
-    launch = d.choose_launch(numel, 64, 1, H200, out_entries=entries)
+@pytest.mark.parametrize("numel,entries,buckets,threads", [
+    (1, 0, 64, 128), (128, 0, 64, 128), (129, 0, 64, 256), (512, 0, 64, 512),
+    (513, 0, 64, 512), (2048, 0, 64, 512), (2049, 0, 64, 1024), (4096, 0, 64, 1024),
+    (8, 128 * 64 + 1, 64, 256), (8, 10**6, 64, 1024),
+    (8, 0, 512, 128), (8, 0, 1024, 256), (8, 0, 4096, 1024)])
+def test_single_block_size_follows_the_work(numel, entries, buckets, threads):
+    assert d.single_block_threads(numel, entries, buckets) == threads
+    launch = d.choose_launch(numel, buckets, 1, H200, out_entries=entries)
     assert launch.kind == "single" and launch.block == threads
 
 
