@@ -66,7 +66,7 @@ def block_sweep(stream):
                 if block is not None and block * _dispatch.ITEMS_PER_THREAD < numel:
                     continue
                 _dispatch.single_block_threads = (
-                    chosen if block is None else (lambda n, o, b=block: b))
+                    chosen if block is None else (lambda n, o, nb=0, b=block: b))
                 row[str(block or "auto")] = graph_us(make_call(case, stream), stream)
             _dispatch.single_block_threads = chosen
             split_min = _dispatch.SPLIT_MIN_ENTRIES
