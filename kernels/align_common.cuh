@@ -118,11 +118,6 @@ __device__ void mark_processed_rows(const Problem& p, unsigned char* processed) 
   }
 }
 
-// A token counts toward row `slot` when the slot exists and is processed.
-__device__ __forceinline__ bool token_in_row(const Problem& p, int slot, const unsigned char* processed) {
-  return slot >= 0 && slot < p.rows && processed[slot];
-}
-
 __device__ __forceinline__ bool row_written(const Problem& p, const unsigned char* processed, int r) {
   return processed[r] || p.fill_unprocessed;
 }
@@ -213,57 +208,32 @@ __device__ __forceinline__ int claim_in_lane_order(unsigned short* counter, int 
   return base + __popc(peers & lanemask_lt());
 }
 
-// Fill [lo, hi) of every written row r of `base` ([rows, pitch]) with `value`, where
-// range(r, lo, hi) gives the bounds. 16-byte stores where alignment allows (at most three
-// single stores at either end). Row r starts at a rotating thread (the previous rows' units
-// mod nthreads), so the rows spread over all threads (all blocks) as one flat range would:
-// starting every row at thread 0 left most blocks idle and each SM's store queue holds only
-// so much. Needs nthreads >= 3.
-template <typename RangeFn>
-__device__ void fill_row_ranges(const Problem& p, const unsigned char* processed, int* base,
-                                int pitch, int value, int tid, int nthreads, RangeFn range) {
+// Fill rows [rows, pitch] of `base` with `value` in [0, len), skipping rows not written.
+// 16-byte stores where alignment allows; never touches [len, pitch). Row r starts at thread
+// r * units mod nthreads, so the rows spread over all threads (all blocks) as one flat range
+// would: starting every row at thread 0 left most blocks idle and each SM's store queue
+// holds only so much.
+__device__ void fill_rows(const Problem& p, const unsigned char* processed, int* base, int pitch,
+                          int len, int value, int tid, int nthreads) {
   const bool vec = ((pitch & 3) == 0) && ((reinterpret_cast<unsigned long long>(base) & 15) == 0);
+  const int units = vec ? (len >> 2) : len, step = units % nthreads;
   const int4 v = make_int4(value, value, value, value);
   int offset = 0;
   for (int r = 0; r < p.rows; ++r) {
-    if (!row_written(p, processed, r)) continue;
-    int lo, hi;
-    range(r, lo, hi);
-    if (lo >= hi) continue;
-    int* row = base + (long long)r * pitch;
-    // vec: [lo, a) singles, [a, a + 4 * units) vectors, then singles up to hi.
-    const int a = vec ? min(hi, (lo + 3) & ~3) : lo;
-    const int units = vec ? (hi >> 2) - (a >> 2) : hi - lo;
-    int k = tid - offset;
-    if (k < 0) k += nthreads;
-    if (vec) {
-      for (; k < units; k += nthreads) reinterpret_cast<int4*>(row)[(a >> 2) + k] = v;
-      const int tail = a + 4 * units;
-      if (tid < a - lo) row[lo + tid] = value;
-      if (tid < hi - tail) row[tail + tid] = value;
-    } else {
-      for (; k < units; k += nthreads) row[lo + k] = value;
+    if (row_written(p, processed, r)) {
+      int* row = base + (long long)r * pitch;
+      int k = tid - offset;
+      if (k < 0) k += nthreads;
+      if (vec) {
+        for (; k < units; k += nthreads) reinterpret_cast<int4*>(row)[k] = v;
+        for (int q = 4 * units + tid; q < len; q += nthreads) row[q] = value;
+      } else {
+        for (; k < units; k += nthreads) row[k] = value;
+      }
     }
-    offset += units % nthreads;
+    offset += step;
     if (offset >= nthreads) offset -= nthreads;
   }
-}
-
-// Fill [0, len) of every written row.
-__device__ __forceinline__ void fill_rows(const Problem& p, const unsigned char* processed,
-                                          int* base, int pitch, int len, int value, int tid,
-                                          int nthreads) {
-  fill_row_ranges(p, processed, base, pitch, value, tid, nthreads,
-                  [&](int, int& lo, int& hi) { lo = 0; hi = len; });
-}
-
-// Where row r's output can end at most, from its token count alone: n = tokens * K routes in
-// at most min(n, E) non-empty segments, each padded by at most B - 1. Past it, everything is
-// the sentinel; the split single-block launch fills that part from other blocks.
-__device__ __forceinline__ int row_bound(const Problem& p, int tokens) {
-  const long long n = (long long)tokens * p.topk;
-  const long long most = n + min(n, (long long)p.num_experts) * (p.block_size - 1);
-  return (int)min((long long)p.padded_len, most);
 }
 
 __device__ __forceinline__ int padded_count(const Problem& p, int c) {
@@ -325,16 +295,13 @@ __device__ __forceinline__ int owning_bucket(const int* starts, int lo, int hi, 
 
 // expert_ids of every written row, from the padded scan `starts` (all rows concatenated;
 // shared memory where it fits, else global).
-// `tile_end`, when given: row r is written only below tile_end[r] (the rest is -1 and
-// written by other blocks).
 __device__ void write_expert_ids(const Problem& p, const unsigned char* processed, const int* starts,
-                                 int tid, int nthreads, const int* tile_end = nullptr) {
+                                 int tid, int nthreads) {
   const int E = p.num_experts, M = p.num_tiles;
   const int total_tiles = p.rows * M;
   for (int k = tid; k < total_tiles; k += nthreads) {
     const int r = fast_div(k, p.tiles_magic, p.tiles_shift), t = k - r * M;
     if (!row_written(p, processed, r)) continue;
-    if (tile_end != nullptr && t >= tile_end[r]) continue;
     int value = -1;
     if (processed[r]) {
       const int row_base = starts[r * E];

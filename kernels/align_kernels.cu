@@ -39,23 +39,16 @@ __device__ __forceinline__ void for_routes(const Problem& p, int first, int step
 // ---------------------------------------------------------------------------------------------
 // Single block: count, scan, place and fill in one launch (decode sizes).
 // After the row region: starts[nb + 1] ints | DET: warp_counts[nwarps * stride] ushort,
-// stride = nb rounded up to even (4-byte aligned rows) | split: row_tokens[rows],
-// tile_end[rows] ints.
-// `split` (not DET): blocks 1.. of the launch fill every row past its row_bound (fill_tails),
-// so this block writes only [0, row_bound) of each row: one SM pushing every sentinel of 16
-// LoRA rows was most of a decode LoRA call.
+// stride = nb rounded up to even (4-byte aligned rows).
 // `stamp_as`: the probe's kernel slot for this pass (scripts/decode_experiment.py runs it twice).
 template <typename IdT, bool DET>
-__device__ void align_in_one_block(const Problem& p, int stamp_as = 0, bool split = false) {
+__device__ void align_in_one_block(const Problem& p, int stamp_as = 0) {
   __shared__ int warp_sums[32];
   const int nb = num_buckets(p), nwarps = blockDim.x >> 5, stride = (nb + 1) & ~1;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   unsigned char* processed = dynamic_smem;
   int* starts = reinterpret_cast<int*>(dynamic_smem + row_region_bytes(p.rows));
   unsigned short* warp_counts = reinterpret_cast<unsigned short*>(starts + nb + 1);
-  int* row_tokens = starts + nb + 1;  // split only
-  int* tile_end = row_tokens + p.rows;
-  split = split && !DET;
   MLA_STAMP(stamp_as, 0);
 
   // Non-deterministic: thread t owns routes t, t + blockDim, ...; deterministic: warp w owns
@@ -71,11 +64,8 @@ __device__ void align_in_one_block(const Problem& p, int stamp_as = 0, bool spli
   for (int b = threadIdx.x; b < nb; b += blockDim.x) starts[b] = 0;
   if (DET)
     for (int k = threadIdx.x; k < nwarps * stride; k += blockDim.x) warp_counts[k] = 0;
-  if (split)
-    for (int r = threadIdx.x; r < p.rows; r += blockDim.x) row_tokens[r] = 0;
   mark_processed_rows(p, processed);
-  if (!split)
-    fill_rows(p, processed, p.sorted_ids, p.sorted_pitch, p.padded_len, p.numel, threadIdx.x, blockDim.x);
+  fill_rows(p, processed, p.sorted_ids, p.sorted_pitch, p.padded_len, p.numel, threadIdx.x, blockDim.x);
   MLA_STAMP(stamp_as, 1);
 
   if (!DET) {
@@ -86,19 +76,8 @@ __device__ void align_in_one_block(const Problem& p, int stamp_as = 0, bool spli
       bucket[j] = bucket_of(p, route[j], processed);
       if (p.scatter_idx != nullptr && i < p.numel) p.scatter_idx[i] = bucket[j] >= 0 ? i : -1;
       rank[j] = claim(starts, bucket[j]);
-      // Tokens of each row, counted at their first route (as fill_tails counts them).
-      if (split && i < p.numel && i == fast_div(i, p.topk_magic, p.topk_shift) * p.topk &&
-          token_in_row(p, route[j].slot, processed))
-        atomicAdd(row_tokens + route[j].slot, 1);
     }
     __syncthreads();
-    if (split) {
-      fill_row_ranges(p, processed, p.sorted_ids, p.sorted_pitch, p.numel, threadIdx.x, blockDim.x,
-                      [&](int r, int& a, int& b) { a = 0; b = row_bound(p, row_tokens[r]); });
-      for (int r = threadIdx.x; r < p.rows; r += blockDim.x)
-        tile_end[r] = fast_div(row_bound(p, row_tokens[r]) + p.block_size - 1, p.block_magic,
-                               p.block_shift);
-    }
     MLA_STAMP(stamp_as, 2);
     scan_padded_counts(p, nb, [&](int b) { return starts[b]; }, starts, warp_sums);
     MLA_STAMP(stamp_as, 3);
@@ -132,7 +111,7 @@ __device__ void align_in_one_block(const Problem& p, int stamp_as = 0, bool spli
       if (b >= 0) p.sorted_ids[output_index(p, starts, b, rank)] = i;
     });
   }
-  write_expert_ids(p, processed, starts, threadIdx.x, blockDim.x, split ? tile_end : nullptr);
+  write_expert_ids(p, processed, starts, threadIdx.x, blockDim.x);
   write_totals(p, processed, starts);
 #ifdef MLA_PROBE
   __syncthreads();
@@ -140,41 +119,13 @@ __device__ void align_in_one_block(const Problem& p, int stamp_as = 0, bool spli
 #endif
 }
 
-// Blocks 1.. of a split single-block launch: every written row past its row_bound, the
-// sentinel in sorted ids and -1 in tile ids. The row bounds come from the tokens of each row,
-// counted here again: nothing waits on block 0.
-// After the row region: row_tokens[rows] ints.
-__device__ void fill_tails(const Problem& p) {
-  unsigned char* processed = dynamic_smem;
-  int* row_tokens = reinterpret_cast<int*>(dynamic_smem + row_region_bytes(p.rows));
-  for (int r = threadIdx.x; r < p.rows; r += blockDim.x) row_tokens[r] = 0;
-  mark_processed_rows(p, processed);
-  const int tokens = fast_div(p.numel, p.topk_magic, p.topk_shift);
-  for (int t = threadIdx.x; t < tokens; t += blockDim.x) {
-    const int slot = p.token_slot != nullptr ? p.token_slot[t] : 0;
-    if (token_in_row(p, slot, processed)) atomicAdd(row_tokens + slot, 1);
-  }
-  __syncthreads();
-  const int tid = (blockIdx.x - 1) * blockDim.x + threadIdx.x, n = (gridDim.x - 1) * blockDim.x;
-  fill_row_ranges(p, processed, p.sorted_ids, p.sorted_pitch, p.numel, tid, n,
-                  [&](int r, int& a, int& b) { a = row_bound(p, row_tokens[r]); b = p.padded_len; });
-  fill_row_ranges(p, processed, p.expert_ids, p.expert_pitch, -1, tid, n, [&](int r, int& a, int& b) {
-    a = fast_div(row_bound(p, row_tokens[r]) + p.block_size - 1, p.block_magic, p.block_shift);
-    b = p.num_tiles;
-  });
-}
-
 template <typename IdT, bool DET>
 __global__ void align_single(const Problem p) {
-  if (blockIdx.x > 0) {
-    fill_tails(p);
-    return;
-  }
-  align_in_one_block<IdT, DET>(p, 0, gridDim.x > 1);
+  align_in_one_block<IdT, DET>(p);
 #ifdef MLA_TWICE
   // Probe only: the same alignment again in the same block, on warm caches.
   __syncthreads();
-  align_in_one_block<IdT, DET>(p, 1, gridDim.x > 1);
+  align_in_one_block<IdT, DET>(p, 1);
 #endif
 }
 

@@ -16,8 +16,6 @@ WARP_COUNTER_MAX = 65535      # unsigned short per-warp counters bound a determi
 CHUNK_MATRIX_BUDGET = 1 << 18  # entries of the deterministic [chunks, buckets] prefix matrix
 SMEM_SLACK = 512              # bytes kept for static shared memory and layout alignment
 FILL_PER_BLOCK = 8192         # sentinel entries per count-kernel block, at most (about)
-SPLIT_MIN_ENTRIES = 16384     # LoRA single block: output entries from which other blocks
-                              #   fill the rows' tails (kernels/align_kernels.cu: fill_tails)
 
 VARIANTS = ("shared", "global")
 
@@ -39,8 +37,7 @@ class Launch:
     kind: str                 # "single" or "multi"
     deterministic: bool
     block: int                # threads per block
-    grid: int = 1             # blocks of each launch (multi: of the place kernel; single:
-                              #   1 + the blocks that fill row tails)
+    grid: int = 1             # blocks of each launch (multi: of the place kernel)
     count_grid: int = 1       # multi: blocks of the count kernel (>= grid; extra ones fill)
     chunk: int = 0            # routes per chunk (multi)
     range_width: int = 0      # buckets per block (deterministic multi)
@@ -98,15 +95,9 @@ def _single_block(numel, num_buckets, rows, deterministic, limits, out_entries=0
     base = 4 * (num_buckets + 1) + row_region_bytes(rows) + SMEM_SLACK
     block = single_block_threads(numel, out_entries, num_buckets)
     if not deterministic:
-        smem = base + 8 * rows  # row_tokens and tile_end of the split launch
-        if smem > limits.smem_optin:
+        if base > limits.smem_optin:
             return None
-        # LoRA rows: past each row's bound (from its token count) other blocks fill. A base
-        # row's bound is P itself, so it never splits.
-        tails = 0
-        if rows > 1 and out_entries >= SPLIT_MIN_ENTRIES:
-            tails = min(limits.sm_count - 1, _ceil_div(out_entries, FILL_PER_BLOCK))
-        return Launch("shared", "single", False, block, grid=1 + tails, smem_single=smem)
+        return Launch("shared", "single", False, block, smem_single=base)
     # Deterministic: one unsigned short counter per (warp, bucket); fewer warps if they don't fit.
     for warps in (32, 16, 8, 4):
         if 32 * warps > block:

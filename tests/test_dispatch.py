@@ -94,22 +94,6 @@ def test_single_block_size_follows_the_work(numel, entries, buckets, threads):
     assert launch.kind == "single" and launch.block == threads
 
 
-def test_lora_single_block_splits_its_fill():
-    P, M = 5888, 368  # T=256, E=256, K=8, B=16
-    lora = d.choose_launch(2048, 16 * 256, 16, H200, out_entries=16 * (P + M))
-    assert lora.kind == "single" and lora.grid == 1 + -(-16 * (P + M) // d.FILL_PER_BLOCK)
-    assert lora.smem_single >= 4 * (16 * 256 + 1) + 8 * 16
-    small = d.choose_launch(8, 4 * 64, 4, H200, out_entries=4 * (128 + 8))
-    assert small.kind == "single" and small.grid == 1
-    base = d.choose_launch(2048, 256, 1, H200, out_entries=10**6)
-    assert base.kind == "single" and base.grid == 1  # a base row's bound is P: nothing to split
-    det = d.choose_launch(2048, 16 * 256, 16, H200, deterministic=True,
-                          out_entries=16 * (P + M))
-    assert det.kind == "single" and det.grid == 1
-    many = d.choose_launch(4096, 16 * 1024, 16, H200, out_entries=10**8)
-    assert many.grid == H200.sm_count
-
-
 def test_fill_blocks_join_the_count_kernel():
     # LoRA T=4096, 16 slots, E=256, B=64: 32 chunks but 16 rows of 48896 sentinels to write.
     launch = d.choose_launch(4096 * 8, 16 * 256, 16, H200, out_entries=16 * (48896 + 764))

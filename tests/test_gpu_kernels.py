@@ -133,25 +133,6 @@ def test_lora(E, T, variant, det):
     _lora_case(E, T, variant, det, salt=salt)
 
 
-@pytest.mark.parametrize("salt", range(6))
-@pytest.mark.parametrize("E,T,max_loras", [(7, 1, 4), (64, 3, 16), (257, 255, 4), (64, 255, 16)])
-@pytest.mark.parametrize("with_ids,allocate,use_map", [(True, False, False),
-                                                       (False, True, False),
-                                                       (True, False, True)])
-def test_lora_split_fill(E, T, max_loras, salt, with_ids, allocate, use_map, monkeypatch):
-    """Every LoRA single-block launch split between the aligning block and tail-filling ones
-    (the threshold lowered to zero): routing kinds, block sizes, disabled and unlisted slots,
-    allocated and poisoned out= buffers."""
-    from moe_lora_align import _dispatch
-
-    monkeypatch.setattr(_dispatch, "SPLIT_MIN_ENTRIES", 0)
-    launch = _dispatch.choose_launch(T * 8, max_loras * E, max_loras,
-                                     _dispatch.DeviceLimits.h200(), out_entries=1)
-    assert launch.kind == "single" and launch.grid == 2
-    _lora_case(E, T, None, False, salt=salt, max_loras=max_loras, with_ids=with_ids,
-               disabled=2, allocate=allocate, use_map=use_map)
-
-
 @pytest.mark.parametrize("mode", ["before", "after"])
 @pytest.mark.parametrize("variant", [None, "global"])
 @pytest.mark.parametrize("E,T", [(64, 3), (257, 255), (256, 4096), (64, 65536)])
