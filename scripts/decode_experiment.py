@@ -3,7 +3,7 @@
   python3 scripts/decode_experiment.py [--out DIR]
 
 1. Block size: graph-replay µs of decode cases with the single block forced to 128, 256, 512
-   and 1024 threads, and as chosen but without the blocks that fill LoRA row tails (nosplit) (the dispatcher sizes it from routes and output entries only; the scan
+   and 1024 threads (the dispatcher sizes it from routes and output entries only; the scan
    and the zeroing also loop over the buckets, 4096 of them for LoRA E=256 x 16 slots).
 2. Cold or busy: built with -DMLA_PROBE -DMLA_TWICE, the kernel runs the same alignment twice
    in one block and stamps both passes. A second pass much faster than the first means the
@@ -68,13 +68,6 @@ def block_sweep(stream):
                 _dispatch.single_block_threads = (
                     chosen if block is None else (lambda n, o, nb=0, b=block: b))
                 row[str(block or "auto")] = graph_us(make_call(case, stream), stream)
-            _dispatch.single_block_threads = chosen
-            split_min = _dispatch.SPLIT_MIN_ENTRIES
-            _dispatch.SPLIT_MIN_ENTRIES = 1 << 62  # the same launch without tail blocks
-            try:
-                row["nosplit"] = graph_us(make_call(case, stream), stream)
-            finally:
-                _dispatch.SPLIT_MIN_ENTRIES = split_min
             res[str(case)] = row
             print(f"  {case!s:36s} " + "  ".join(f"{k}={v:6.2f}" for k, v in row.items()),
                   flush=True)
