@@ -21,9 +21,9 @@ from pathlib import Path
 import cupy
 import numpy as np
 
-import moe_lora_align as mla
 from moe_lora_align import _dispatch, _kernels
-from moe_lora_align.bench import graph_us, lora_inputs, routing
+from moe_lora_align.bench import graph_us
+from stage_probe import make_call, probe_buffer, reload_kernels  # same folder
 
 CASES = [  # op, T, E, K, B, L
     ("base", 1, 64, 8, 16, None), ("base", 1, 512, 10, 16, None),
@@ -34,25 +34,6 @@ CASES = [  # op, T, E, K, B, L
     ("pair", 1, 64, 8, 16, 4), ("pair", 64, 256, 8, 16, 16),
 ]
 STAGES = ["entry", "rows+fill", "claim", "scan", "stores", "end"]
-
-
-def make_call(case, stream):
-    op, T, E, K, B, L = case
-    rng = np.random.default_rng(T * 7 + E)
-    ids = cupy.asarray(routing(rng, T, K, E, "uniform"))
-    if op == "base":
-        plan = mla.AlignPlan(T, K, E, B)
-        return lambda: plan(ids, stream=stream)
-    mapping, lora_ids, enabled = (cupy.asarray(x) for x in lora_inputs(rng, T, L))
-    if op == "pair":
-        plan = mla.AlignPlan(T, K, E, B, max_loras=L)
-        return lambda: plan(ids, mapping, stream=stream)
-    P, M = mla.buffer_sizes(T * K, E, B)
-    out = [cupy.full((L, P), T * K, np.int32), cupy.full((L, M), -1, np.int32),
-           cupy.zeros(L, np.int32)]
-    return lambda: mla.moe_lora_align_block_size(ids, mapping, B, E, L, lora_ids=lora_ids,
-                                                 adapter_enabled=enabled, out=out,
-                                                 stream=stream)
 
 
 def block_sweep(stream):
@@ -78,15 +59,13 @@ def block_sweep(stream):
 
 def twice(stream):
     base_opts = _kernels.COMPILE_OPTIONS
-    _kernels.COMPILE_OPTIONS = base_opts + ("-DMLA_PROBE", "-DMLA_TWICE")
-    _kernels._loaded.clear()
+    reload_kernels(base_opts + ("-DMLA_PROBE", "-DMLA_TWICE"))
     out = {}
     try:
         for case in CASES:
             fn = make_call(case, stream)
             us = graph_us(fn, stream)
-            ks = next(iter(_kernels._loaded.values()))
-            buf = cupy.ndarray((3, 160, 8, 2), np.uint64, ks.module.get_global("mla_probe"))
+            buf = probe_buffer()
             runs = {0: [], 1: []}
             for _ in range(15):
                 buf.fill(0)
@@ -107,8 +86,7 @@ def twice(stream):
                 for k, m in med.items())
             print(f"  {case!s:36s} {us:6.2f} us  {text}", flush=True)
     finally:
-        _kernels.COMPILE_OPTIONS = base_opts
-        _kernels._loaded.clear()
+        reload_kernels(base_opts)
     return out
 
 

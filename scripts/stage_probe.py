@@ -120,6 +120,9 @@ def make_call(case, stream):
         plan = mla.AlignPlan(T, K, E, B)
         return lambda: plan(ids, stream=stream)
     mapping, lora_ids, enabled = (cupy.asarray(x) for x in lora_inputs(rng, T, L))
+    if op == "pair":  # base and LoRA through a plan (scripts/decode_experiment.py)
+        pair = mla.AlignPlan(T, K, E, B, max_loras=L)
+        return lambda: pair(ids, mapping, stream=stream)
     P, M = mla.buffer_sizes(T * K, E, B)
     out = [cupy.full((L, P), T * K, np.int32), cupy.full((L, M), -1, np.int32),
            cupy.zeros(L, np.int32)]
