@@ -19,12 +19,14 @@ struct Problem {
   int* expert_ids;              // [rows, expert_pitch]
   int* num_post_pad;            // [rows]
   int* scatter_idx;             // [numel] or null
-  int* counts;                  // scratch [num_buckets]: zero on entry, left zero
+  int* counts;                  // scratch [num_buckets]: zero on entry, left zero (cooperative
+                                //   kernel: [2, count_stride], see align_cooperative)
   int* starts;                  // scratch [num_buckets + 1]: padded exclusive scan, all rows
   int* cursor;                  // scratch [num_buckets]: next free position of each bucket
   int* chunk_hist;              // scratch [chunks, num_buckets]: per-chunk offsets (shared and
                                 //   deterministic modes)
-  unsigned int* ticket;         // scratch [1]: zero on entry, left zero
+  unsigned int* ticket;         // scratch [1]: zero on entry, left zero (cooperative kernel:
+                                //   its control words, see align_cooperative)
   int numel;
   int topk;                     // K: routes per token
   int num_experts;              // E: buckets per row
@@ -50,7 +52,7 @@ struct Problem {
   int experts_shift;
   unsigned int tiles_magic;
   int tiles_shift;
-  int reserved_;                // keeps the size a multiple of 8 bytes
+  int count_stride;             // cooperative kernel: entries between its two count buffers
 };
 
 // Stage timestamps for scripts/stage_probe.py, compiled in only with -DMLA_PROBE: thread 0 of

@@ -394,3 +394,120 @@ __global__ void align_place(const Problem p) {
     });
   }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Multi-block in one launch (cooperative launch: every block is resident at once). Each block
+// counts its chunk, reserves its range in every bucket it touches, stages its routes in output
+// order, and writes its share of the sentinel fill; then one grid-wide barrier; then every
+// block scans all the counts itself (no second launch, no re-read of the routes) and stores its
+// staged routes, its share of the tile ids, and block 0 the totals.
+//
+// Scratch that needs no clean-up pass: p.counts holds two count buffers (p.count_stride apart)
+// used in turn. A call counts in buffer `parity` and zeroes the other, which the previous call
+// left dirty, while it waits anyway; p.ticket holds the control words
+//   [0] parity of the next call, [1 + q] barrier arrivals of buffer q, [3 + q] its dirty extent.
+// After the row region: hist[nb + 1] | adj[nb] | starts[nb + 1] | value[chunk] | bucket_of_k[chunk]
+#define COOP_ITEMS 8  // routes per thread, at most: chunk <= COOP_ITEMS * blockDim.x
+
+__device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// Every block of the grid waits here for all the others. The fence publishes the block's
+// writes (its fill, its count atomics) before its arrival is counted.
+__device__ __forceinline__ void grid_barrier(unsigned* arrivals) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    atomicAdd(arrivals, 1u);
+    while (load_acquire(arrivals) < gridDim.x) {
+    }
+  }
+  __syncthreads();
+}
+
+template <typename IdT>
+__global__ void __launch_bounds__(1024) align_cooperative(const Problem p) {
+  __shared__ int warp_sums[32];
+  const int nb = num_buckets(p), E = p.num_experts;
+  const int tid = blockIdx.x * blockDim.x + threadIdx.x, nthreads = gridDim.x * blockDim.x;
+  unsigned char* processed = dynamic_smem;
+  int* hist = reinterpret_cast<int*>(dynamic_smem + row_region_bytes(p.rows));
+  int* adj = hist + nb + 1;
+  int* starts = adj + nb;
+  int* value = starts + nb + 1;
+  int* bucket_of_k = value + p.chunk;
+  const int c0 = min(p.numel, blockIdx.x * p.chunk), c1 = min(p.numel, c0 + p.chunk);
+  MLA_STAMP(1, 0);
+
+  Route route[COOP_ITEMS];  // in flight during the set-up below
+#pragma unroll
+  for (int j = 0; j < COOP_ITEMS; ++j)
+    route[j] = load_route<IdT>(p, c0 + j * blockDim.x + threadIdx.x, c1);
+  unsigned* ctrl = p.ticket;
+  const int parity = (int)(__ldcg(ctrl) & 1u);
+  int* counts = p.counts + parity * p.count_stride;
+  int* stale = p.counts + (1 - parity) * p.count_stride;
+  const int stale_len = __ldcg(reinterpret_cast<const int*>(ctrl) + 4 - parity);
+  for (int b = threadIdx.x; b < nb; b += blockDim.x) hist[b] = 0;
+  mark_processed_rows(p, processed);
+  for (int k = tid; k < stale_len; k += nthreads) stale[k] = 0;
+  if (tid == 0) {
+    ctrl[2 - parity] = 0u;       // the previous call's barrier
+    ctrl[3 + parity] = (unsigned)nb;
+  }
+  // Routes overwrite the fill after the barrier, which orders every fill store before them.
+  fill_rows(p, processed, p.sorted_ids, p.sorted_pitch, p.padded_len, p.numel, tid, nthreads);
+  MLA_STAMP(1, 1);
+
+  int bucket[COOP_ITEMS], rank[COOP_ITEMS];
+#pragma unroll
+  for (int j = 0; j < COOP_ITEMS; ++j) {
+    const int i = c0 + j * blockDim.x + threadIdx.x;
+    bucket[j] = bucket_of(p, route[j], processed);
+    if (p.scatter_idx != nullptr && i < c1) p.scatter_idx[i] = bucket[j] >= 0 ? i : -1;
+    rank[j] = claim(hist, bucket[j]);
+  }
+  __syncthreads();
+  MLA_STAMP(1, 2);
+  // Reserve the block's range in each of its buckets; the offsets come back into adj.
+  for (int b = threadIdx.x; b < nb; b += blockDim.x)
+    if (hist[b] != 0) adj[b] = atomicAdd(counts + b, hist[b]);
+  // hist := the block's own offsets of each bucket (exclusive), hist[nb] := its route count.
+  scan_block(nb, [&](int b) { return hist[b]; }, hist, warp_sums);
+#pragma unroll
+  for (int j = 0; j < COOP_ITEMS; ++j) {
+    if (bucket[j] < 0) continue;
+    const int k = hist[bucket[j]] + rank[j];
+    value[k] = c0 + j * blockDim.x + threadIdx.x;
+    bucket_of_k[k] = bucket[j];
+  }
+  MLA_STAMP(1, 3);
+  grid_barrier(ctrl + 1 + parity);
+  MLA_STAMP(1, 4);
+
+  for (int b = threadIdx.x; b < nb; b += blockDim.x) starts[b] = __ldcg(counts + b);
+  __syncthreads();
+  scan_padded_counts(p, nb, [&](int b) { return starts[b]; }, starts, warp_sums);
+  if (blockIdx.x == 0) {
+    write_totals(p, processed, starts);
+    if (threadIdx.x == 0) ctrl[0] = (unsigned)(parity ^ 1);  // every block read it before the barrier
+  }
+  // adj[b] := where the block's route k of bucket b goes, minus k.
+  for (int b = threadIdx.x; b < nb; b += blockDim.x) {
+    if (hist[b + 1] == hist[b]) continue;
+    const int r = row_of(p, b);
+    adj[b] += r * p.sorted_pitch + starts[b] - starts[r * E] - hist[b];
+  }
+  __syncthreads();
+  MLA_STAMP(1, 5);
+  for (int k = threadIdx.x; k < hist[nb]; k += blockDim.x)
+    p.sorted_ids[adj[bucket_of_k[k]] + k] = value[k];
+  write_expert_ids(p, processed, starts, tid, nthreads);
+#ifdef MLA_PROBE
+  __syncthreads();
+  MLA_STAMP(1, 6);
+#endif
+}

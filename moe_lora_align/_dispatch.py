@@ -17,24 +17,31 @@ CHUNK_MATRIX_BUDGET = 1 << 18  # entries of the deterministic [chunks, buckets] 
 SMEM_SLACK = 512              # bytes kept for static shared memory and layout alignment
 FILL_PER_BLOCK = 8192         # sentinel entries per count-kernel block, at most (about)
 
-VARIANTS = ("shared", "global")
+COOP_ITEMS = 8                # kernels/align_cooperative: COOP_ITEMS routes per thread, at most
+
+# "shared" / "global": where the counting histogram lives (one block at decode sizes, else a
+# count and a place launch); "cooperative": shared histograms, one launch of resident blocks
+# with a grid-wide barrier between counting and placing.
+VARIANTS = ("shared", "global", "cooperative")
 
 
 @dataclass(frozen=True)
 class DeviceLimits:
     sm_count: int
     smem_optin: int           # MaxSharedMemoryPerBlockOptin, bytes
+    cooperative: bool = False  # the device and the launcher can issue cooperative launches
 
     @classmethod
     def h200(cls):
-        return cls(sm_count=132, smem_optin=232448)
+        return cls(sm_count=132, smem_optin=232448, cooperative=True)
 
 
 @dataclass(frozen=True)
 class Launch:
-    """How one alignment runs: ``single`` (one block, one launch) or ``multi`` (count, place)."""
-    variant: str              # "shared" or "global": where the counting histogram lives
-    kind: str                 # "single" or "multi"
+    """How one alignment runs: ``single`` (one block, one launch), ``multi`` (count, place)
+    or ``cooperative`` (one launch of resident blocks, a grid barrier inside)."""
+    variant: str              # "shared", "global" or "cooperative"
+    kind: str                 # "single", "multi" or "cooperative"
     deterministic: bool
     block: int                # threads per block
     grid: int = 1             # blocks of each launch (multi: of the place kernel)
@@ -44,7 +51,8 @@ class Launch:
     ranges: int = 1           # bucket ranges per chunk (deterministic multi)
     smem_single: int = 0      # dynamic shared bytes of the single-block kernel
     smem_count: int = 0       # dynamic shared bytes of the count kernel
-    smem_place: int = 0       # dynamic shared bytes of the place kernel
+    smem_place: int = 0       # dynamic shared bytes of the place kernel (cooperative: of its
+                              #   one kernel)
     starts_in_smem: bool = False  # place kernel copies the segment starts to shared memory
     stage_output: bool = False    # place kernel stages routes for coalesced stores (shared)
 
@@ -53,11 +61,11 @@ class Launch:
         """The kernels' MODE template argument."""
         if self.deterministic:
             return 2
-        return 0 if self.variant == "shared" else 1
+        return 1 if self.variant == "global" else 0
 
     @property
     def launches(self) -> int:
-        return 1 if self.kind == "single" else 2
+        return 2 if self.kind == "multi" else 1
 
 
 def row_region_bytes(rows: int) -> int:
@@ -112,18 +120,44 @@ def _ceil_div(a, b):
     return -(-a // b)
 
 
+def _cooperative(numel, num_buckets, rows, limits, out_entries):
+    """The one-launch multi-block kernel's geometry, or None where it cannot run: no
+    cooperative launch, more routes than the resident blocks hold, or its shared memory
+    (histogram, reserved offsets, starts: 12 bytes a bucket; 8 bytes a staged route) does not
+    fit. At most one block per SM, so every block is resident whatever the occupancy."""
+    if not limits.cooperative:
+        return None
+    per_sm = _ceil_div(max(numel, 1), limits.sm_count)
+    chunk = max(BLOCK, _ceil_div(per_sm, BLOCK) * BLOCK)
+    if chunk > COOP_ITEMS * BLOCK:
+        return None
+    smem = row_region_bytes(rows) + 4 * (3 * num_buckets + 2) + 8 * chunk + SMEM_SLACK
+    if smem > limits.smem_optin:
+        return None
+    # Blocks past the last chunk only take their share of the sentinel fill.
+    fill_blocks = min(limits.sm_count, _ceil_div(out_entries, FILL_PER_BLOCK))
+    grid = max(1, _ceil_div(numel, chunk), fill_blocks)
+    return Launch("cooperative", "cooperative", False, BLOCK, grid=grid, chunk=chunk,
+                  smem_place=smem)
+
+
 def choose_launch(numel: int, num_buckets: int, rows: int, limits: DeviceLimits, *,
                   deterministic: bool = False, variant: str | None = None,
                   allow_single: bool = True, out_entries: int = 0) -> Launch:
     """Pick the variant and launch geometry of one alignment.
 
     ``num_buckets`` is ``rows * num_experts``; ``out_entries`` the output entries written
-    (``rows * (P + M)``), which sizes the single block and the count kernel's fill.
-    ``variant`` forces "shared" or "global"; forcing "shared" when its histogram cannot fit
-    raises ``ValueError``.
+    (``rows * (P + M)``), which sizes the single block and the fill's share of blocks.
+    ``variant`` forces a kernel family: "shared" (one block, else count + place with shared
+    histograms), "global" (count + place, global counters) or "cooperative" (one launch of
+    resident blocks); forcing one that cannot run these sizes raises ``ValueError``. Left to
+    itself the dispatcher picks one block at decode sizes, else the cooperative launch where it
+    fits, else count + place.
     """
     if variant is not None and variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS} or None, got {variant!r}")
+    if variant == "cooperative":
+        return _forced_cooperative(numel, num_buckets, rows, limits, deterministic, out_entries)
     fits = shared_fits(num_buckets, rows, limits)
     if variant == "shared" and not fits:
         raise ValueError(
@@ -136,6 +170,10 @@ def choose_launch(numel: int, num_buckets: int, rows: int, limits: DeviceLimits,
         single = _single_block(numel, num_buckets, rows, deterministic, limits, out_entries)
         if single is not None:
             return single
+    if variant is None and not deterministic:
+        coop = _cooperative(numel, num_buckets, rows, limits, out_entries)
+        if coop is not None:
+            return coop
 
     if not deterministic:
         # Enough chunks to spread over the SMs, at most ITEMS_PER_THREAD routes a thread.
@@ -177,6 +215,26 @@ def choose_launch(numel: int, num_buckets: int, rows: int, limits: DeviceLimits,
                   count_grid=chunks * ranges, chunk=chunk,
                   range_width=width, ranges=ranges, smem_count=4 * width + rows_smem,
                   smem_place=place, starts_in_smem=copy)
+
+
+def _forced_cooperative(numel, num_buckets, rows, limits, deterministic, out_entries):
+    if deterministic:
+        raise ValueError("variant='cooperative' has no deterministic mode; use "
+                         "variant='shared' or 'global' (or leave it unset) with "
+                         "deterministic=True")
+    coop = _cooperative(numel, num_buckets, rows, limits, out_entries)
+    if coop is None:
+        if not limits.cooperative:
+            why = "this device or CuPy cannot issue cooperative launches"
+        elif numel > limits.sm_count * COOP_ITEMS * BLOCK:
+            why = (f"{numel} routes are more than its {limits.sm_count} resident blocks "
+                   f"hold ({COOP_ITEMS * BLOCK} each)")
+        else:
+            why = (f"its shared memory for {num_buckets} buckets exceeds the device's "
+                   f"{limits.smem_optin} bytes per block")
+        raise ValueError(f"variant='cooperative' cannot run this alignment: {why}; use "
+                         "variant='shared' or 'global', or leave variant unset")
+    return coop
 
 
 def _with_starts_copy(smem, num_buckets, limits):

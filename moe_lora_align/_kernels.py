@@ -67,6 +67,7 @@ def kernel_names(dtype) -> dict:
     for mode in (0, 1, 2):
         names[("count", mode)] = f"align_count<{t}, {mode}>"
         names[("place", mode)] = f"align_place<{t}, {mode}>"
+    names[("cooperative", 0)] = f"align_cooperative<{t}>"
     return names
 
 

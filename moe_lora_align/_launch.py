@@ -28,7 +28,7 @@ _DIVISORS = ("topk", "block", "experts", "tiles")
 _MAGICS = tuple(x for d in _DIVISORS for x in ((d + "_magic", np.uint32), (d + "_shift", np.int32)))
 # Mirrors kernels/align_common.cuh: struct Problem.
 PROBLEM_DTYPE = np.dtype([(n, np.uint64) for n in _POINTERS] + [(n, np.int32) for n in _INTS]
-                         + list(_MAGICS) + [("reserved_", np.int32)], align=True)
+                         + list(_MAGICS) + [("count_stride", np.int32)], align=True)
 
 MAP_NONE, MAP_BEFORE, MAP_AFTER = 0, 1, 2
 
@@ -39,11 +39,17 @@ def device_limits(device_id: int) -> _dispatch.DeviceLimits:
 
     attrs = cupy.cuda.Device(device_id).attributes
     return _dispatch.DeviceLimits(sm_count=int(attrs["MultiProcessorCount"]),
-                                  smem_optin=int(attrs["MaxSharedMemoryPerBlockOptin"]))
+                                  smem_optin=int(attrs["MaxSharedMemoryPerBlockOptin"]),
+                                  cooperative=bool(attrs.get("CooperativeLaunch", 0))
+                                  and _direct_launcher(cooperative=True) is not None)
+
+
+COOP_CONTROL_WORDS = 8  # kernels/align_kernels.cu: align_cooperative's control words (5 used)
 
 
 class Workspace:
-    """Reusable scratch of one alignment stream: counters that the kernels leave zeroed."""
+    """Reusable scratch of one alignment stream: counters that the kernels leave zeroed, and
+    the cooperative kernel's two count buffers and control words (which it keeps itself)."""
 
     def __init__(self, device_id: int):
         self.device_id = device_id
@@ -59,12 +65,15 @@ class Workspace:
             nm = max(matrix_entries, self.matrix, 1)
             with cupy.cuda.Device(self.device_id):
                 # One allocation, zeroed once; the kernels restore the zeros they rely on.
-                self.buf = cupy.zeros(3 * nb + 2 + nm + 1, dtype=np.int32)
-            self.counts = self.buf[:nb]
-            self.starts = self.buf[nb:2 * nb + 1]
-            self.cursor = self.buf[2 * nb + 1:3 * nb + 1]
-            self.chunk_hist = self.buf[3 * nb + 1:3 * nb + 1 + nm]
-            self.ticket = self.buf[3 * nb + 1 + nm:]
+                self.buf = cupy.zeros(5 * nb + 2 + nm + COOP_CONTROL_WORDS, dtype=np.int32)
+            parts, at = {}, 0
+            for name, n in (("counts", nb), ("starts", nb + 1), ("cursor", nb),
+                            ("chunk_hist", nm), ("ticket", 1), ("coop_counts", 2 * nb),
+                            ("coop_control", COOP_CONTROL_WORDS)):
+                parts[name], at = self.buf[at:at + n], at + n
+            self.counts, self.starts, self.cursor = parts["counts"], parts["starts"], parts["cursor"]
+            self.chunk_hist, self.ticket = parts["chunk_hist"], parts["ticket"]
+            self.coop_counts, self.coop_control = parts["coop_counts"], parts["coop_control"]
             self.buckets, self.matrix = nb, nm
             self.generation += 1
         return self
@@ -144,31 +153,41 @@ def pack(job: Job, launch: _dispatch.Launch, ws: Workspace) -> None:
         set_input_pointers(job.packed, _ptr(job.topk_ids), _ptr(job.token_slot),
                            _ptr(job.lora_ids), _ptr(job.adapter_enabled), _ptr(job.expert_map))
         return
+    coop = launch.kind == "cooperative"
+    counts, ticket = (ws.coop_counts, ws.coop_control) if coop else (ws.counts, ws.ticket)
     raw = _PACKER.pack(
         _ptr(job.topk_ids), _ptr(job.token_slot), _ptr(job.lora_ids),
         _ptr(job.adapter_enabled), _ptr(job.expert_map), _ptr(job.sorted_ids),
         _ptr(job.expert_ids), _ptr(job.num_post_pad), _ptr(job.scatter_idx),
-        _ptr(ws.counts), _ptr(ws.starts), _ptr(ws.cursor), _ptr(ws.chunk_hist), _ptr(ws.ticket),
+        _ptr(counts), _ptr(ws.starts), _ptr(ws.cursor), _ptr(ws.chunk_hist), _ptr(ticket),
         job.numel, max(job.topk, 1), job.num_experts, job.block_size, job.rows,
         0 if job.lora_ids is None else int(job.lora_ids.shape[0]), job.padded_len,
         job.num_tiles, job.sorted_pitch, job.expert_pitch, job.map_mode,
         int(job.fill_unprocessed), launch.chunk, launch.range_width, launch.ranges,
         int(launch.starts_in_smem), int(launch.stage_output), *division_magic(max(job.topk, 1)),
         *division_magic(job.block_size), *division_magic(job.num_experts),
-        *division_magic(max(job.num_tiles, 1)), 0)
+        *division_magic(max(job.num_tiles, 1)), ws.buckets if coop else 0)
     job.packed, job.packed_key = np.frombuffer(bytearray(raw), dtype=np.uint8), key
     job.params = np.array([job.packed.ctypes.data], dtype=np.uint64)
     job.params_addr = job.params.ctypes.data
 
 
 @functools.lru_cache(maxsize=None)
-def _direct_launcher():
-    """The driver's cuLaunchKernel as CuPy exposes it, or None (then CuPy's kernel call)."""
+def _direct_launcher(cooperative: bool = False):
+    """The driver's cuLaunchKernel (or cuLaunchCooperativeKernel) as CuPy exposes it, or None
+    (then CuPy's kernel call; the cooperative kernel is not chosen)."""
     try:
-        from cupy_backends.cuda.api.driver import launchKernel
+        from cupy_backends.cuda.api import driver
     except ImportError:
         return None
-    return launchKernel
+    if not cooperative:
+        return getattr(driver, "launchKernel", None)
+    coop = getattr(driver, "launchCooperativeKernel", None)
+    if coop is None:
+        return None
+    # The same argument list as launchKernel's, which ends in `extra` (always 0 here).
+    return lambda f, gx, gy, gz, bx, by, bz, smem, stream, params, extra: coop(
+        f, gx, gy, gz, bx, by, bz, smem, stream, params)
 
 
 def _params_address(jobs) -> int:
@@ -192,6 +211,7 @@ class RecordedLaunch(NamedTuple):
     stream_ptr: int
     params_addr: int
     held: tuple     # (job, packed, params, pair_params) of each job: what params_addr points into
+    cooperative: bool = False
 
 
 _recorder = threading.local()
@@ -211,19 +231,22 @@ def record_launches():
 def replay_launches(launches, stream_ptr: int) -> None:
     """Issue recorded direct launches again, on ``stream_ptr``, with their packed arguments
     as they are now (the caller rewrites the input pointers first)."""
-    launch = _direct_launcher()
     for r in launches:
-        launch(r.fn, r.grid, 1, 1, r.block, 1, 1, r.smem, stream_ptr, r.params_addr, 0)
+        _direct_launcher(r.cooperative)(r.fn, r.grid, 1, 1, r.block, 1, 1, r.smem, stream_ptr,
+                                        r.params_addr, 0)
 
 
-def launch_kernel(ks, key, grid: int, block: int, smem: int, stream, *jobs):
+def launch_kernel(ks, key, grid: int, block: int, smem: int, stream, *jobs,
+                  cooperative: bool = False):
     """Launch kernel ``key`` with the packed ``jobs`` as its arguments on ``stream``.
 
     Straight through cuLaunchKernel where CuPy exposes it: the argument is already packed, so
     this skips CuPy's per-call argument conversion (several microseconds of an eager call).
     The driver copies the parameters at the call, so the packed bytes may change right after.
+    ``cooperative``: through cuLaunchCooperativeKernel, which guarantees that every block is
+    resident at once (the dispatcher picks that kernel only where this launcher exists).
     """
-    launch, fn = _direct_launcher(), ks.handles.get(key)
+    launch, fn = _direct_launcher(cooperative), ks.handles.get(key)
     recorded = getattr(_recorder, "launches", None)
     if launch is not None and fn:
         address = _params_address(jobs)
@@ -231,8 +254,12 @@ def launch_kernel(ks, key, grid: int, block: int, smem: int, stream, *jobs):
         if recorded is not None:
             # The arrays behind `address`, kept alive as long as the recording is.
             held = tuple((j, j.packed, j.params, j.pair_params) for j in jobs)
-            recorded.append(RecordedLaunch(fn, grid, block, smem, stream.ptr, address, held))
+            recorded.append(RecordedLaunch(fn, grid, block, smem, stream.ptr, address, held,
+                                           cooperative))
         return
+    if cooperative:
+        raise RuntimeError("the cooperative kernel needs CuPy's driver launcher "
+                           "(cupy_backends.cuda.api.driver.launchCooperativeKernel)")
     if recorded is not None:
         recorded.append(None)  # CuPy's own launch cannot be replayed
     args = tuple(np.frombuffer(j.packed, dtype=PROBLEM_DTYPE)[0] for j in jobs)
@@ -267,6 +294,10 @@ def launch_one(job: Job, launch: _dispatch.Launch, ws: Workspace, stream, device
     if launch.kind == "single":
         launch_kernel(ks, ("single", launch.deterministic), launch.grid, launch.block,
                       launch.smem_single, stream, job)
+        return
+    if launch.kind == "cooperative":
+        launch_kernel(ks, ("cooperative", 0), launch.grid, launch.block, launch.smem_place,
+                      stream, job, cooperative=True)
         return
     launch_kernel(ks, ("count", launch.mode), launch.count_grid, launch.block,
                   launch.smem_count, stream, job)

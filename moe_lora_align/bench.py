@@ -221,18 +221,22 @@ def bench_single(row, kind, stream, quick):
     result["graph_us"] = graph_us(fn, stream)
     result["eager_us"] = eager_us(fn, stream)
     result["deterministic_graph_us"] = graph_us(runner(deterministic=True), stream)
-    if not quick:
-        for variant in ("shared", "global"):
-            try:
-                result[f"{variant}_graph_us"] = graph_us(runner(variant=variant), stream)
-            except ValueError:  # shared cannot hold the buckets
-                result[f"{variant}_graph_us"] = None
+    for variant in mla._dispatch.VARIANTS:
+        if quick and variant == "global":
+            continue
+        try:
+            result[f"{variant}_graph_us"] = graph_us(runner(variant=variant), stream)
+        except ValueError:  # the variant cannot run these sizes (shared memory, residency)
+            result[f"{variant}_graph_us"] = None
     if L:
         base_fn = lambda: cupy_baseline(d_ids, E, B, dm, L)  # noqa: E731
     else:
         base_fn = lambda: cupy_baseline(d_ids, E, B)  # noqa: E731
     result["baseline_eager_us"] = eager_us(base_fn, stream, calls=5, reps=3)
-    launches = 1 if T * K <= mla._dispatch.SINGLE_BLOCK_MAX_ROUTES else 2
+    P, M = mla.buffer_sizes(T * K, E, B)
+    launches = mla._dispatch.choose_launch(
+        T * K, (L or 1) * E, L or 1, mla._launch.device_limits(cupy.cuda.Device().id),
+        out_entries=(L or 1) * (P + M)).launches
     result["floor_us"] = floor_us(op, T, K, E, B, L or 1, launches)
     result["reference_graph_us"] = row.get("graph_us")
     result["reference_eager_us"] = row.get("eager_us")
@@ -347,7 +351,7 @@ def fmt(x, width=8):
 def table(results):
     lines = []
     head = (f"{'op':5} {'T':>6} {'E':>5} {'K':>3} {'B':>4} {'L':>3} {'route':8} {'graph':>8} "
-            f"{'eager':>8} {'det':>8} {'shared':>8} {'global':>8} {'ref':>8} {'x ref':>7} "
+            f"{'eager':>8} {'det':>8} {'shared':>8} {'global':>8} {'coop':>8} {'ref':>8} {'x ref':>7} "
             f"{'cupy':>9} {'x cupy':>7} {'floor':>7}")
     lines.append(head)
     for r in results:
@@ -358,7 +362,8 @@ def table(results):
             f"{r['op']:5} {r['tokens']:6d} {r['num_experts']:5d} {r['topk']:3d} "
             f"{r['block_size']:4d} {r.get('max_loras') or '':>3} {r['routing']:8} "
             f"{fmt(r['graph_us'])} {fmt(r['eager_us'])} {fmt(r.get('deterministic_graph_us'))} "
-            f"{fmt(r.get('shared_graph_us'))} {fmt(r.get('global_graph_us'))} {fmt(ref)} "
+            f"{fmt(r.get('shared_graph_us'))} {fmt(r.get('global_graph_us'))} "
+            f"{fmt(r.get('cooperative_graph_us'))} {fmt(ref)} "
             f"{fmt(ref / r['graph_us'] if ref else None, 7)} {fmt(r['baseline_eager_us'], 9)} "
             f"{fmt(r['baseline_eager_us'] / r['eager_us'], 7)} {fmt(r['floor_us'], 7)}")
     pairs = [r for r in results if r["op"] == "pair"]
@@ -375,8 +380,9 @@ def table(results):
                 f"{fmt(r.get('two_graph_us'))} {fmt(r.get('fused_graph_us'))} "
                 f"{fmt(r.get('auto_graph_us'))} {fmt(r.get('auto_eager_us'), 10)} "
                 f"{fmt(r['floor_us'], 7)}")
-    lines.append("graph/eager/det/shared/global/ref/floor: microseconds per call; x ref: "
-                 "reference graph time over ours; cupy: CuPy-library baseline, eager.")
+    lines.append("graph/eager/det/shared/global/coop/ref/floor: microseconds per call (coop: "
+                 "the cooperative variant); x ref: reference graph time over ours; cupy: "
+                 "CuPy-library baseline, eager.")
     return "\n".join(lines)
 
 

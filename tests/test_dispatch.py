@@ -7,6 +7,7 @@ from moe_lora_align import _dispatch as d
 
 H200 = d.DeviceLimits.h200()
 SMALL = d.DeviceLimits(sm_count=16, smem_optin=48 * 1024)
+NO_COOP = d.DeviceLimits(sm_count=132, smem_optin=232448, cooperative=False)
 
 
 @pytest.mark.parametrize("numel,buckets,rows,limits,det,variant,expect", [
@@ -16,10 +17,15 @@ SMALL = d.DeviceLimits(sm_count=16, smem_optin=48 * 1024)
     (2048, 16 * 256, 16, H200, False, None, ("shared", "single", 1)),
     (4096, 8192, 1, H200, False, None, ("shared", "single", 1)),
     (2048, 256, 1, H200, True, None, ("shared", "single", 1)),
-    # prefill sizes: count + place over many blocks
-    (4097, 256, 1, H200, False, None, ("shared", "multi", 2)),
-    (65536 * 8, 256, 1, H200, False, None, ("shared", "multi", 2)),
-    (16384 * 8, 16 * 256, 16, H200, False, None, ("shared", "multi", 2)),
+    # prefill sizes: one cooperative launch where it can run, else count + place
+    (4097, 256, 1, H200, False, None, ("cooperative", "cooperative", 1)),
+    (65536 * 8, 256, 1, H200, False, None, ("cooperative", "cooperative", 1)),
+    (65536 * 10, 512, 1, H200, False, None, ("cooperative", "cooperative", 1)),
+    (16384 * 8, 16 * 256, 16, H200, False, None, ("cooperative", "cooperative", 1)),
+    (132 * 8192 + 1, 256, 1, H200, False, None, ("shared", "multi", 2)),
+    (16384 * 8, 16 * 4096, 16, H200, False, None, ("global", "multi", 2)),
+    (4097, 256, 1, NO_COOP, False, None, ("shared", "multi", 2)),
+    (65536 * 8, 256, 1, NO_COOP, False, None, ("shared", "multi", 2)),
     (16384 * 8, 16 * 256, 16, H200, True, None, ("shared", "multi", 2)),
     # too many buckets for shared memory: the global variant, whatever the size
     (8, 65536, 16, H200, False, None, ("global", "multi", 2)),
@@ -30,6 +36,9 @@ SMALL = d.DeviceLimits(sm_count=16, smem_optin=48 * 1024)
     (8, 64, 1, H200, False, "global", ("global", "multi", 2)),
     (2048, 256, 1, H200, True, "global", ("global", "multi", 2)),
     (65536, 1024, 1, H200, False, "shared", ("shared", "multi", 2)),
+    (8, 64, 1, H200, False, "cooperative", ("cooperative", "cooperative", 1)),
+    (0, 64, 1, H200, False, "cooperative", ("cooperative", "cooperative", 1)),
+    (65536 * 8, 4096, 1, H200, False, "cooperative", ("cooperative", "cooperative", 1)),
 ])
 def test_decisions(numel, buckets, rows, limits, det, variant, expect):
     launch = d.choose_launch(numel, buckets, rows, limits, deterministic=det, variant=variant)
@@ -50,11 +59,36 @@ def test_decisions(numel, buckets, rows, limits, det, variant, expect):
             assert launch.range_width % 2 == 0
         elif launch.variant == "shared":
             assert launch.chunk <= d.BLOCK * d.ITEMS_PER_THREAD
+    if launch.kind == "cooperative":
+        # every block resident: at most one a SM; the chunks cover every route
+        assert launch.grid <= limits.sm_count
+        assert launch.grid * launch.chunk >= numel
+        assert launch.chunk <= d.BLOCK * d.COOP_ITEMS
 
 
 def test_shared_override_that_cannot_fit_is_a_clear_error():
     with pytest.raises(ValueError, match="variant='shared'.*shared memory"):
         d.choose_launch(1024, 65536, 16, H200, variant="shared")
+
+
+@pytest.mark.parametrize("numel,buckets,limits,det,why", [
+    (1024, 64, NO_COOP, False, "cannot issue cooperative launches"),
+    (132 * 8192 + 1, 64, H200, False, "more than its 132 resident blocks"),
+    (1024, 65536, H200, False, "shared memory for 65536 buckets"),
+    (1024, 64, H200, True, "no deterministic mode"),
+])
+def test_cooperative_override_that_cannot_run_is_a_clear_error(numel, buckets, limits, det, why):
+    with pytest.raises(ValueError, match=why):
+        d.choose_launch(numel, buckets, 1, limits, variant="cooperative", deterministic=det)
+
+
+def test_cooperative_fill_spreads_over_the_sms():
+    # LoRA T=4096, 16 slots, E=256, B=64: 32 chunks of routes, 16 rows of sentinels to write
+    launch = d.choose_launch(4096 * 8, 16 * 256, 16, H200, out_entries=16 * (48896 + 764))
+    assert launch.kind == "cooperative" and launch.chunk == 1024
+    assert launch.grid == -(-16 * (48896 + 764) // d.FILL_PER_BLOCK) > 32
+    assert d.choose_launch(4096, 256, 1, H200, out_entries=10**9,
+                           variant="cooperative").grid == H200.sm_count
 
 
 def test_unknown_variant():
@@ -63,8 +97,9 @@ def test_unknown_variant():
 
 
 def test_work_spreads_over_the_sms():
-    launch = d.choose_launch(65536 * 8, 256, 1, H200)
-    assert launch.grid >= H200.sm_count * 0.9
+    for limits in (H200, NO_COOP):
+        launch = d.choose_launch(65536 * 8, 256, 1, limits)
+        assert launch.grid >= H200.sm_count * 0.9
     det = d.choose_launch(65536 * 8, 256, 1, H200, deterministic=True)
     assert det.grid >= H200.sm_count
 
@@ -96,11 +131,12 @@ def test_single_block_size_follows_the_work(numel, entries, buckets, threads):
 
 def test_fill_blocks_join_the_count_kernel():
     # LoRA T=4096, 16 slots, E=256, B=64: 32 chunks but 16 rows of 48896 sentinels to write.
-    launch = d.choose_launch(4096 * 8, 16 * 256, 16, H200, out_entries=16 * (48896 + 764))
+    launch = d.choose_launch(4096 * 8, 16 * 256, 16, H200, out_entries=16 * (48896 + 764),
+                             variant="shared")
     assert launch.kind == "multi" and launch.grid == 32
     assert launch.count_grid == -(-16 * (48896 + 764) // d.FILL_PER_BLOCK) > launch.grid
-    assert d.choose_launch(65536 * 8, 256, 1, H200, out_entries=10**9).count_grid == \
-        H200.sm_count
+    assert d.choose_launch(65536 * 8, 256, 1, H200, out_entries=10**9,
+                           variant="shared").count_grid == H200.sm_count
     det = d.choose_launch(4096 * 8, 16 * 256, 16, H200, out_entries=16 * 48896,
                           deterministic=True)
     assert det.count_grid == det.grid
@@ -147,3 +183,27 @@ def test_pair_parameter_array_follows_repacks():
     b.params = np.array([33], np.uint64)  # a repack makes a new parameter array
     _launch._params_address((a, b))
     assert list(b.pair_params[2]) == [11, 33]
+
+
+def test_cooperative_pack_points_at_its_own_scratch():
+    """The cooperative kernel counts in its two buffers (count_stride apart) and keeps its
+    control words apart from the count + place kernels' zeroed counters."""
+    from types import SimpleNamespace
+
+    from moe_lora_align import _launch
+
+    def dev(ptr):
+        return SimpleNamespace(data=SimpleNamespace(ptr=ptr))
+
+    ws = SimpleNamespace(counts=dev(1), starts=dev(2), cursor=dev(3), chunk_hist=dev(4),
+                         ticket=dev(5), coop_counts=dev(6), coop_control=dev(7), buckets=300,
+                         generation=0)
+    job = _launch.Job(topk_ids=dev(0x1000), numel=40000, topk=8, num_experts=256,
+                      block_size=64, rows=1, padded_len=56320, num_tiles=880,
+                      sorted_ids=dev(0x2000), expert_ids=dev(0x3000), num_post_pad=dev(0x4000),
+                      sorted_pitch=56320, expert_pitch=880)
+    launch = d.choose_launch(40000, 256, 1, H200, out_entries=56320 + 880)
+    assert launch.kind == "cooperative"
+    _launch.pack(job, launch, ws)
+    f = np.frombuffer(job.packed, dtype=_launch.PROBLEM_DTYPE)[0]
+    assert (f["counts"], f["ticket"], f["count_stride"], f["chunk"]) == (6, 7, 300, launch.chunk)

@@ -114,37 +114,64 @@ def _lora_case(E, T, variant, deterministic, salt, *, max_loras=None, with_ids=T
 
 
 GRID = list(itertools.product(EXPERTS, TOKENS))
+VARIANTS = ["shared", "global", "cooperative"]
+
+
+def _skip_unless_runs(variant, det, numel, buckets, rows):
+    """Skip the (variant, sizes) cells the dispatcher refuses (its own tests cover that)."""
+    if variant == "cooperative" and det:
+        pytest.skip("the cooperative kernel has no deterministic mode")
+    try:
+        mla._dispatch.choose_launch(numel, buckets, rows, mla._launch.device_limits(0),
+                                    deterministic=det, variant=variant)
+    except ValueError as e:
+        pytest.skip(f"{variant} cannot run this size: {e}")
 
 
 @pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
-@pytest.mark.parametrize("variant", ["shared", "global"])
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("E,T", GRID)
 def test_base(E, T, variant, det):
+    _skip_unless_runs(variant, det, T * 8, E, 1)
     _base_case(E, T, variant, det, salt=1 + det)
 
 
 @pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
-@pytest.mark.parametrize("variant", ["shared", "global"])
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("E,T", GRID)
 def test_lora(E, T, variant, det):
     salt = 3 + det
-    if variant == "shared" and (1, 4, 16)[(E + T + salt) % 3] * E * 4 > 200_000:
-        pytest.skip("too many buckets for the shared variant (covered by the dispatcher test)")
+    rows = (1, 4, 16)[(E + T + salt) % 3]
+    _skip_unless_runs(variant, det, T * 8, rows * E, rows)
     _lora_case(E, T, variant, det, salt=salt)
 
 
+def test_cooperative_scratch_serves_calls_of_any_size_in_turn():
+    """The cooperative kernel keeps two count buffers and cleans the previous call's: calls
+    of growing and shrinking bucket counts and sizes, one after another on one workspace."""
+    for n, (E, T, lora) in enumerate([(256, 5000, True), (64, 300, False), (1024, 65536, False),
+                                      (64, 0, True), (257, 4096, True), (8192, 1, False),
+                                      (7, 40000, False), (256, 16384, True), (64, 3, False)]):
+        if lora:
+            _lora_case(E, T, "cooperative", False, salt=20 + n, max_loras=16)
+        else:
+            _base_case(E, T, "cooperative", False, salt=20 + n)
+
+
 @pytest.mark.parametrize("mode", ["before", "after"])
-@pytest.mark.parametrize("variant", [None, "global"])
+@pytest.mark.parametrize("variant", [None, "shared", "global", "cooperative"])
 @pytest.mark.parametrize("E,T", [(64, 3), (257, 255), (256, 4096), (64, 65536)])
 @pytest.mark.parametrize("det", [False, True])
 def test_base_expert_map_and_scatter(E, T, variant, mode, det):
+    _skip_unless_runs(variant, det, T * 8, E, 1)
     _base_case(E, T, variant, det, salt=5, expert_map_mode=mode, scatter=True)
 
 
-@pytest.mark.parametrize("variant", [None, "global"])
+@pytest.mark.parametrize("variant", [None, "shared", "global", "cooperative"])
 @pytest.mark.parametrize("E,T", [(64, 1), (128, 255), (256, 4096), (64, 65536)])
 @pytest.mark.parametrize("det", [False, True])
 def test_lora_allocated_map_and_no_ids(E, T, variant, det):
+    _skip_unless_runs(variant, det, T * 8, 4 * E, 4)
     _lora_case(E, T, variant, det, salt=6, allocate=True, use_map=True, with_ids=False,
                disabled=2, max_loras=4)
 
@@ -187,9 +214,10 @@ def test_zero_tokens_allocated():
     assert lora.num_tokens_post_pad.get().tolist() == [0, 0, 0, 0]
 
 
-def test_all_routes_to_one_expert_large():
+@pytest.mark.parametrize("variant", [None, "shared", "cooperative"])
+def test_all_routes_to_one_expert_large(variant):
     ids = cupy.full((65536, 8), 3, dtype=cupy.int32)
-    got = mla.moe_align_block_size(ids, 64, 256)
+    got = mla.moe_align_block_size(ids, 64, 256, variant=variant)
     assert int(got.num_tokens_post_pad[0]) == 65536 * 8
     s = got.sorted_token_ids.get()
     assert np.array_equal(np.sort(s[: 65536 * 8]), np.arange(65536 * 8))

@@ -58,6 +58,22 @@ def test_together_equals_separate(T, E, K, B, L, streams):
     _check(base, lora, ids, mapping, lora_ids, enabled, B, E, L)
 
 
+@pytest.mark.parametrize("streams", ["one", "two"])
+@pytest.mark.parametrize("variant", ["shared", "cooperative"])
+def test_together_prefill_each_variant(variant, streams):
+    """Prefill base + LoRA through count + place and through the cooperative kernel, on one
+    stream and forked onto two (two cooperative launches may then run at once)."""
+    T, E, K, B, L = 16384, 256, 8, 64, 16
+    ids, mapping, lora_ids, enabled = _inputs(T, E, K, L, seed=9)
+    for _ in range(3):  # the cooperative kernel's count buffers alternate between calls
+        base, lora = mla.align_moe_and_lora(cupy.asarray(ids), cupy.asarray(mapping), B, E, L,
+                                            lora_ids=cupy.asarray(lora_ids),
+                                            adapter_enabled=cupy.asarray(enabled),
+                                            streams=streams, variant=variant)
+        cupy.cuda.get_current_stream().synchronize()
+        _check(base, lora, ids, mapping, lora_ids, enabled, B, E, L)
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_together_deterministic_is_exact(deterministic):
     T, E, K, B, L = 255, 64, 8, 16, 4

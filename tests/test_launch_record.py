@@ -9,8 +9,13 @@ from moe_lora_align import _launch
 
 
 def _fake_driver(monkeypatch):
+    """Both driver launchers logged; a cooperative call's arguments are tagged with it."""
     calls = []
-    monkeypatch.setattr(_launch, "_direct_launcher", lambda: lambda *a: calls.append(a))
+
+    def launcher(cooperative=False):
+        return lambda *a: calls.append(("coop",) + a if cooperative else a)
+
+    monkeypatch.setattr(_launch, "_direct_launcher", launcher)
     return calls
 
 
@@ -33,6 +38,34 @@ def test_recorded_launches_replay_on_another_stream(monkeypatch):
     _launch.replay_launches(recorded, 9)
     assert calls == [(111, 1, 1, 1, 256, 1, 1, 4096, 9, 0xABC0, 0),
                      (222, 132, 1, 1, 1024, 1, 1, 0, 9, 0xABC0, 0)]
+
+
+def test_cooperative_launches_replay_through_the_cooperative_launcher(monkeypatch):
+    calls = _fake_driver(monkeypatch)
+    ks = SimpleNamespace(handles={("cooperative", 0): 333, ("single", False): 111})
+    job = _job(0xDEF0)
+    with _launch.record_launches() as recorded:
+        _launch.launch_kernel(ks, ("cooperative", 0), 128, 1024, 60000, SimpleNamespace(ptr=7),
+                              job, cooperative=True)
+        _launch.launch_kernel(ks, ("single", False), 1, 256, 0, SimpleNamespace(ptr=7), job)
+    assert calls[0] == ("coop", 333, 128, 1, 1, 1024, 1, 1, 60000, 7, 0xDEF0, 0)
+    assert [r.cooperative for r in recorded] == [True, False]
+    calls.clear()
+    _launch.replay_launches(recorded, 9)
+    assert calls == [("coop", 333, 128, 1, 1, 1024, 1, 1, 60000, 9, 0xDEF0, 0),
+                     (111, 1, 1, 1, 256, 1, 1, 0, 9, 0xDEF0, 0)]
+
+
+def test_cooperative_launch_without_the_driver_launcher_is_an_error(monkeypatch):
+    monkeypatch.setattr(_launch, "_direct_launcher", lambda cooperative=False: None)
+    ks = SimpleNamespace(handles={})
+    try:
+        _launch.launch_kernel(ks, ("cooperative", 0), 1, 1024, 0, SimpleNamespace(ptr=1),
+                              _job(16), cooperative=True)
+    except RuntimeError as e:
+        assert "launchCooperativeKernel" in str(e)
+    else:
+        raise AssertionError("expected a RuntimeError")
 
 
 def test_recording_stops_after_the_block(monkeypatch):
