@@ -407,7 +407,8 @@ __global__ void align_place(const Problem p) {
 // left dirty, while it waits anyway; p.ticket holds the control words
 //   [0] parity of the next call, [1 + q] barrier arrivals of buffer q, [3 + q] its dirty extent.
 // After the row region: hist[nb + 1] | adj[nb] | starts[nb + 1] | value[chunk] | bucket_of_k[chunk]
-#define COOP_ITEMS 8  // routes per thread, at most: chunk <= COOP_ITEMS * blockDim.x
+#define COOP_ITEMS 8    // routes per thread, at most: chunk <= COOP_ITEMS * blockDim.x
+#define COOP_RESERVE 4  // bucket reservations a thread has in flight at once
 
 __device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
   unsigned v;
@@ -440,7 +441,7 @@ __global__ void __launch_bounds__(1024) align_cooperative(const Problem p) {
   int* value = starts + nb + 1;
   int* bucket_of_k = value + p.chunk;
   const int c0 = min(p.numel, blockIdx.x * p.chunk), c1 = min(p.numel, c0 + p.chunk);
-  MLA_STAMP(1, 0);
+  MLA_STAMP(3, 0);
 
   Route route[COOP_ITEMS];  // in flight during the set-up below
 #pragma unroll
@@ -460,7 +461,7 @@ __global__ void __launch_bounds__(1024) align_cooperative(const Problem p) {
   }
   // Routes overwrite the fill after the barrier, which orders every fill store before them.
   fill_rows(p, processed, p.sorted_ids, p.sorted_pitch, p.padded_len, p.numel, tid, nthreads);
-  MLA_STAMP(1, 1);
+  MLA_STAMP(3, 1);
 
   int bucket[COOP_ITEMS], rank[COOP_ITEMS];
 #pragma unroll
@@ -471,10 +472,30 @@ __global__ void __launch_bounds__(1024) align_cooperative(const Problem p) {
     rank[j] = claim(hist, bucket[j]);
   }
   __syncthreads();
-  MLA_STAMP(1, 2);
-  // Reserve the block's range in each of its buckets; the offsets come back into adj.
-  for (int b = threadIdx.x; b < nb; b += blockDim.x)
-    if (hist[b] != 0) adj[b] = atomicAdd(counts + b, hist[b]);
+  MLA_STAMP(3, 2);
+  // Reserve the block's range in each of its buckets. The first COOP_RESERVE buckets of each
+  // thread go out together and come back while the block scans and stages (their offsets are
+  // needed only after the barrier); further ones (more than COOP_RESERVE * blockDim buckets)
+  // wait here, COOP_RESERVE at a time.
+  int reserved[COOP_RESERVE];
+#pragma unroll
+  for (int u = 0; u < COOP_RESERVE; ++u) {
+    const int b = threadIdx.x + u * blockDim.x;
+    const int c = b < nb ? hist[b] : 0;
+    reserved[u] = c != 0 ? atomicAdd(counts + b, c) : 0;
+  }
+  for (int b0 = threadIdx.x + COOP_RESERVE * blockDim.x; b0 < nb; b0 += COOP_RESERVE * blockDim.x) {
+    int more[COOP_RESERVE];
+#pragma unroll
+    for (int u = 0; u < COOP_RESERVE; ++u) {
+      const int b = b0 + u * blockDim.x;
+      const int c = b < nb ? hist[b] : 0;
+      more[u] = c != 0 ? atomicAdd(counts + b, c) : 0;
+    }
+#pragma unroll
+    for (int u = 0; u < COOP_RESERVE; ++u)
+      if (b0 + u * blockDim.x < nb) adj[b0 + u * blockDim.x] = more[u];
+  }
   // hist := the block's own offsets of each bucket (exclusive), hist[nb] := its route count.
   scan_block(nb, [&](int b) { return hist[b]; }, hist, warp_sums);
 #pragma unroll
@@ -484,9 +505,12 @@ __global__ void __launch_bounds__(1024) align_cooperative(const Problem p) {
     value[k] = c0 + j * blockDim.x + threadIdx.x;
     bucket_of_k[k] = bucket[j];
   }
-  MLA_STAMP(1, 3);
+#pragma unroll
+  for (int u = 0; u < COOP_RESERVE; ++u)
+    if (threadIdx.x + u * blockDim.x < nb) adj[threadIdx.x + u * blockDim.x] = reserved[u];
+  MLA_STAMP(3, 3);
   grid_barrier(ctrl + 1 + parity);
-  MLA_STAMP(1, 4);
+  MLA_STAMP(3, 4);
 
   for (int b = threadIdx.x; b < nb; b += blockDim.x) starts[b] = __ldcg(counts + b);
   __syncthreads();
@@ -502,12 +526,12 @@ __global__ void __launch_bounds__(1024) align_cooperative(const Problem p) {
     adj[b] += r * p.sorted_pitch + starts[b] - starts[r * E] - hist[b];
   }
   __syncthreads();
-  MLA_STAMP(1, 5);
+  MLA_STAMP(3, 5);
   for (int k = threadIdx.x; k < hist[nb]; k += blockDim.x)
     p.sorted_ids[adj[bucket_of_k[k]] + k] = value[k];
   write_expert_ids(p, processed, starts, tid, nthreads);
 #ifdef MLA_PROBE
   __syncthreads();
-  MLA_STAMP(1, 6);
+  MLA_STAMP(3, 6);
 #endif
 }

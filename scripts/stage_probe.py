@@ -77,8 +77,10 @@ CASES = [  # op, T, E, K, B, L
 ]
 STAGES = {0: ["entry", "rows+fill", "claim", "scan", "stores", "end"],
           1: ["entry", "rows", "claim", "flush", "ticket", "scan", "end"],
-          2: ["entry", "expert_ids", "claim", "base", "scan", "staged", "end"]}
-KERNEL = {0: "single", 1: "count", 2: "place"}
+          2: ["entry", "expert_ids", "claim", "base", "scan", "staged", "end"],
+          3: ["entry", "rows+fill", "claim", "staged", "barrier", "scan+adj", "end"]}
+KERNEL = {0: "single", 1: "count", 2: "place", 3: "coop"}
+SLOTS = len(KERNEL)  # kernels/align_common.cuh: mla_probe's kernel slots
 
 
 def floor_ladder(stream):
@@ -148,7 +150,7 @@ def reload_kernels(options):
 def probe_buffer():
     ks = next(iter(_kernels._loaded.values()))
     ptr = ks.module.get_global("mla_probe")
-    return cupy.ndarray((3, 160, 8, 2), np.uint64, ptr)
+    return cupy.ndarray((SLOTS, 160, 8, 2), np.uint64, ptr)
 
 
 def stamps(stream):
@@ -167,8 +169,8 @@ def stamps(stream):
         b = cupy.asnumpy(buf).astype(np.int64)
         raw[str(case)] = b.tolist()
         lines.append(f"{case}")
-        t0 = min(b[k, blk, 0, 1] for k in range(3) for blk in range(160) if b[k, blk, 0, 1])
-        for k in range(3):
+        t0 = min(b[k, blk, 0, 1] for k in range(SLOTS) for blk in range(160) if b[k, blk, 0, 1])
+        for k in range(SLOTS):
             blocks = [blk for blk in range(160) if b[k, blk, 0, 0]]
             if not blocks:
                 continue
@@ -220,20 +222,26 @@ def eager_profile(stream):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=Path("probe-out"))
+    ap.add_argument("--stamps-only", action="store_true",
+                    help="only the probe build's graph times and stamps (no floor ladder, "
+                         "carveout or eager profile)")
+    ap.add_argument("--min-tokens", type=int, default=0, help="only cases with T >= this")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    CASES[:] = [c for c in CASES if c[1] >= args.min_tokens]
     stream = cupy.cuda.Stream(non_blocking=True)
     report = {"graph_calls": GRAPH_CALLS}
-    print("== floor ladder (graph us per call)")
-    report["floor"] = floor_ladder(stream)
     base_opts = _kernels.COMPILE_OPTIONS
-    print("== kernels as built")
-    report["built"] = time_cases(stream, "built")
-    print("== carveout 100 %")
-    for ks in _kernels._loaded.values():
-        for k in ks.kernels.values():
-            k.preferred_shared_memory_carveout = 100
-    report["carveout100"] = time_cases(stream, "carve100")
+    if not args.stamps_only:
+        print("== floor ladder (graph us per call)")
+        report["floor"] = floor_ladder(stream)
+        print("== kernels as built")
+        report["built"] = time_cases(stream, "built")
+        print("== carveout 100 %")
+        for ks in _kernels._loaded.values():
+            for k in ks.kernels.values():
+                k.preferred_shared_memory_carveout = 100
+        report["carveout100"] = time_cases(stream, "carve100")
     print("== probe build (-DMLA_PROBE): graph us, then stage stamps: median/max SM cycles "
           "from entry @ global-timer ns window from the call's first entry")
     reload_kernels(base_opts + ("-DMLA_PROBE",))
@@ -241,8 +249,9 @@ def main():
     lines, report["stamps"] = stamps(stream)
     print("\n".join(lines))
     reload_kernels(base_opts)
-    print("== eager host cost")
-    report["eager"] = eager_profile(stream)
+    if not args.stamps_only:
+        print("== eager host cost")
+        report["eager"] = eager_profile(stream)
     (args.out / "probe.json").write_text(json.dumps(report))
     return 0
 
