@@ -398,14 +398,15 @@ __global__ void align_place(const Problem p) {
 // ---------------------------------------------------------------------------------------------
 // Multi-block in one launch (cooperative launch: every block is resident at once). Each block
 // counts its chunk, reserves its range in every bucket it touches, stages its routes in output
-// order, and writes its share of the sentinel fill; then one grid-wide barrier; then every
-// block scans all the counts itself (no second launch, no re-read of the routes) and stores its
-// staged routes, its share of the tile ids, and block 0 the totals.
+// order, and writes its share of the sentinel fill; then one barrier over the problem's blocks;
+// then every block scans all the counts itself (no second launch, no re-read of the routes) and
+// stores its staged routes, its share of the tile ids, and block 0 the totals.
 //
 // Scratch that needs no clean-up pass: p.counts holds two count buffers (p.count_stride apart)
 // used in turn. A call counts in buffer `parity` and zeroes the other, which the previous call
-// left dirty, while it waits anyway; p.ticket holds the control words
-//   [0] parity of the next call, [1 + q] barrier arrivals of buffer q, [3 + q] its dirty extent.
+// left dirty, while it waits anyway. p.ticket (16-byte aligned) holds the control words:
+//   [0] parity of the next call, [1 + q] dirty extent of buffer q, [4 + q] barrier arrivals
+// (the first four are read in one load).
 // After the row region: hist[nb + 1] | adj[nb] | starts[nb + 1] | value[chunk] | bucket_of_k[chunk]
 #define COOP_ITEMS 8    // routes per thread, at most: chunk <= COOP_ITEMS * blockDim.x
 #define COOP_RESERVE 4  // bucket reservations a thread has in flight at once
@@ -416,31 +417,32 @@ __device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
   return v;
 }
 
-// Every block of the grid waits here for all the others. The fence publishes the block's
-// writes (its fill, its count atomics) before its arrival is counted.
-__device__ __forceinline__ void grid_barrier(unsigned* arrivals) {
+// Every one of `blocks` blocks waits here for all the others. The fence publishes the
+// block's writes (its fill, its count atomics) before its arrival is counted.
+__device__ __forceinline__ void blocks_barrier(unsigned* arrivals, unsigned blocks) {
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
     atomicAdd(arrivals, 1u);
-    while (load_acquire(arrivals) < gridDim.x) {
+    while (load_acquire(arrivals) < blocks) {
     }
   }
   __syncthreads();
 }
 
+// One alignment over blocks [0, blocks) of a cooperative launch; this is block `block`.
 template <typename IdT>
-__global__ void __launch_bounds__(1024) align_cooperative(const Problem p) {
+__device__ __forceinline__ void align_cooperatively(const Problem& p, int block, int blocks) {
   __shared__ int warp_sums[32];
   const int nb = num_buckets(p), E = p.num_experts;
-  const int tid = blockIdx.x * blockDim.x + threadIdx.x, nthreads = gridDim.x * blockDim.x;
+  const int tid = block * blockDim.x + threadIdx.x, nthreads = blocks * blockDim.x;
   unsigned char* processed = dynamic_smem;
   int* hist = reinterpret_cast<int*>(dynamic_smem + row_region_bytes(p.rows));
   int* adj = hist + nb + 1;
   int* starts = adj + nb;
   int* value = starts + nb + 1;
   int* bucket_of_k = value + p.chunk;
-  const int c0 = min(p.numel, blockIdx.x * p.chunk), c1 = min(p.numel, c0 + p.chunk);
+  const int c0 = min(p.numel, block * p.chunk), c1 = min(p.numel, c0 + p.chunk);
   MLA_STAMP(3, 0);
 
   Route route[COOP_ITEMS];  // in flight during the set-up below
@@ -448,16 +450,17 @@ __global__ void __launch_bounds__(1024) align_cooperative(const Problem p) {
   for (int j = 0; j < COOP_ITEMS; ++j)
     route[j] = load_route<IdT>(p, c0 + j * blockDim.x + threadIdx.x, c1);
   unsigned* ctrl = p.ticket;
-  const int parity = (int)(__ldcg(ctrl) & 1u);
+  const uint4 words = __ldcg(reinterpret_cast<const uint4*>(ctrl));
+  const int parity = (int)(words.x & 1u);
   int* counts = p.counts + parity * p.count_stride;
   int* stale = p.counts + (1 - parity) * p.count_stride;
-  const int stale_len = __ldcg(reinterpret_cast<const int*>(ctrl) + 4 - parity);
+  const int stale_len = (int)(parity ? words.y : words.z);
   for (int b = threadIdx.x; b < nb; b += blockDim.x) hist[b] = 0;
   mark_processed_rows(p, processed);
   for (int k = tid; k < stale_len; k += nthreads) stale[k] = 0;
   if (tid == 0) {
-    ctrl[2 - parity] = 0u;       // the previous call's barrier
-    ctrl[3 + parity] = (unsigned)nb;
+    ctrl[1 + parity] = (unsigned)nb;
+    ctrl[5 - parity] = 0u;  // the previous call's barrier
   }
   // Routes overwrite the fill after the barrier, which orders every fill store before them.
   fill_rows(p, processed, p.sorted_ids, p.sorted_pitch, p.padded_len, p.numel, tid, nthreads);
@@ -509,13 +512,13 @@ __global__ void __launch_bounds__(1024) align_cooperative(const Problem p) {
   for (int u = 0; u < COOP_RESERVE; ++u)
     if (threadIdx.x + u * blockDim.x < nb) adj[threadIdx.x + u * blockDim.x] = reserved[u];
   MLA_STAMP(3, 3);
-  grid_barrier(ctrl + 1 + parity);
+  blocks_barrier(ctrl + 4 + parity, (unsigned)blocks);
   MLA_STAMP(3, 4);
 
   for (int b = threadIdx.x; b < nb; b += blockDim.x) starts[b] = __ldcg(counts + b);
   __syncthreads();
   scan_padded_counts(p, nb, [&](int b) { return starts[b]; }, starts, warp_sums);
-  if (blockIdx.x == 0) {
+  if (block == 0) {
     write_totals(p, processed, starts);
     if (threadIdx.x == 0) ctrl[0] = (unsigned)(parity ^ 1);  // every block read it before the barrier
   }
@@ -534,4 +537,19 @@ __global__ void __launch_bounds__(1024) align_cooperative(const Problem p) {
   __syncthreads();
   MLA_STAMP(3, 6);
 #endif
+}
+
+template <typename IdT>
+__global__ void __launch_bounds__(1024) align_cooperative(const Problem p) {
+  align_cooperatively<IdT>(p, blockIdx.x, gridDim.x);
+}
+
+// Base and LoRA alignment in one cooperative launch: the first `first.coop_blocks` blocks
+// align `first`, the rest `second`; each side has its own scratch and barrier.
+template <typename IdT>
+__global__ void __launch_bounds__(1024) align_cooperative_pair(const Problem first,
+                                                               const Problem second) {
+  const int split = first.coop_blocks;
+  if ((int)blockIdx.x < split) align_cooperatively<IdT>(first, blockIdx.x, split);
+  else align_cooperatively<IdT>(second, blockIdx.x - split, gridDim.x - split);
 }

@@ -245,6 +245,45 @@ def _with_starts_copy(smem, num_buckets, limits):
     return False, smem
 
 
+@dataclass(frozen=True)
+class CooperativePair:
+    """Base and LoRA in one cooperative launch: ``base.grid`` blocks, then ``lora.grid``."""
+    base: Launch
+    lora: Launch
+    smem: int                 # dynamic shared bytes: the larger side's
+
+    @property
+    def grid(self) -> int:
+        return self.base.grid + self.lora.grid
+
+    @property
+    def deterministic(self) -> bool:
+        return False
+
+
+def choose_cooperative_pair(numel: int, base_buckets: int, lora_buckets: int, rows: int,
+                            limits: DeviceLimits, *, base_entries: int = 0,
+                            lora_entries: int = 0):
+    """Both alignments in one cooperative launch, the SMs split between them, or ``None``
+    where either side cannot run in its share. The base side gets enough blocks for about
+    four routes a thread (it has little to fill), at most half the SMs; LoRA the rest (its
+    rows' sentinel fill is most of the bytes)."""
+    if not limits.cooperative or limits.sm_count < 2:
+        return None
+    fewest = max(1, _ceil_div(numel, COOP_ITEMS * BLOCK))
+    base_blocks = min(limits.sm_count // 2, max(fewest, _ceil_div(numel, 4 * BLOCK)))
+    sides = []
+    for blocks, nb, r, entries in ((base_blocks, base_buckets, 1, base_entries),
+                                   (limits.sm_count - base_blocks, lora_buckets, rows,
+                                    lora_entries)):
+        side = _cooperative(numel, nb, r, DeviceLimits(blocks, limits.smem_optin, True),
+                            entries)
+        if side is None:
+            return None
+        sides.append(side)
+    return CooperativePair(sides[0], sides[1], max(s.smem_place for s in sides))
+
+
 def choose_pair(numel: int, base_buckets: int, lora_buckets: int, rows: int,
                 limits: DeviceLimits, *, deterministic: bool = False, out_entries: int = 0):
     """The fused single launch for base + LoRA, or ``None`` when either side needs more.

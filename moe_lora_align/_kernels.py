@@ -68,6 +68,7 @@ def kernel_names(dtype) -> dict:
         names[("count", mode)] = f"align_count<{t}, {mode}>"
         names[("place", mode)] = f"align_place<{t}, {mode}>"
     names[("cooperative", 0)] = f"align_cooperative<{t}>"
+    names[("cooperative_pair", 0)] = f"align_cooperative_pair<{t}>"
     return names
 
 

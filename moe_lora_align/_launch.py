@@ -28,7 +28,8 @@ _DIVISORS = ("topk", "block", "experts", "tiles")
 _MAGICS = tuple(x for d in _DIVISORS for x in ((d + "_magic", np.uint32), (d + "_shift", np.int32)))
 # Mirrors kernels/align_common.cuh: struct Problem.
 PROBLEM_DTYPE = np.dtype([(n, np.uint64) for n in _POINTERS] + [(n, np.int32) for n in _INTS]
-                         + list(_MAGICS) + [("count_stride", np.int32)], align=True)
+                         + list(_MAGICS) + [("count_stride", np.int32), ("coop_blocks", np.int32),
+                            ("reserved_", np.int32)], align=True)
 
 MAP_NONE, MAP_BEFORE, MAP_AFTER = 0, 1, 2
 
@@ -44,7 +45,7 @@ def device_limits(device_id: int) -> _dispatch.DeviceLimits:
                                   and _direct_launcher(cooperative=True) is not None)
 
 
-COOP_CONTROL_WORDS = 8  # kernels/align_kernels.cu: align_cooperative's control words (5 used)
+COOP_CONTROL_WORDS = 8  # kernels/align_kernels.cu: align_cooperative's control words (6 used)
 
 
 class Workspace:
@@ -67,9 +68,10 @@ class Workspace:
                 # One allocation, zeroed once; the kernels restore the zeros they rely on.
                 self.buf = cupy.zeros(5 * nb + 2 + nm + COOP_CONTROL_WORDS, dtype=np.int32)
             parts, at = {}, 0
-            for name, n in (("counts", nb), ("starts", nb + 1), ("cursor", nb),
-                            ("chunk_hist", nm), ("ticket", 1), ("coop_counts", 2 * nb),
-                            ("coop_control", COOP_CONTROL_WORDS)):
+            # The cooperative kernel's control words first: it reads four in one 16-byte load.
+            for name, n in (("coop_control", COOP_CONTROL_WORDS), ("counts", nb),
+                            ("starts", nb + 1), ("cursor", nb), ("chunk_hist", nm),
+                            ("ticket", 1), ("coop_counts", 2 * nb)):
                 parts[name], at = self.buf[at:at + n], at + n
             self.counts, self.starts, self.cursor = parts["counts"], parts["starts"], parts["cursor"]
             self.chunk_hist, self.ticket = parts["chunk_hist"], parts["ticket"]
@@ -120,7 +122,7 @@ def _ptr(x) -> int:
 
 
 # Little-endian, no padding: pointers, ints, then (magic, shift) pairs: PROBLEM_DTYPE's layout.
-_PACKER = struct.Struct("<%dQ%di%si" % (len(_POINTERS), len(_INTS), "Ii" * len(_DIVISORS)))
+_PACKER = struct.Struct("<%dQ%di%s3i" % (len(_POINTERS), len(_INTS), "Ii" * len(_DIVISORS)))
 assert _PACKER.size == PROBLEM_DTYPE.itemsize
 
 
@@ -166,7 +168,8 @@ def pack(job: Job, launch: _dispatch.Launch, ws: Workspace) -> None:
         int(job.fill_unprocessed), launch.chunk, launch.range_width, launch.ranges,
         int(launch.starts_in_smem), int(launch.stage_output), *division_magic(max(job.topk, 1)),
         *division_magic(job.block_size), *division_magic(job.num_experts),
-        *division_magic(max(job.num_tiles, 1)), ws.buckets if coop else 0)
+        *division_magic(max(job.num_tiles, 1)), ws.buckets if coop else 0,
+        launch.grid if coop else 0, 0)
     job.packed, job.packed_key = np.frombuffer(bytearray(raw), dtype=np.uint8), key
     job.params = np.array([job.packed.ctypes.data], dtype=np.uint64)
     job.params_addr = job.params.ctypes.data
@@ -314,17 +317,35 @@ def _current(stream):
     return stream
 
 
-def launch_pair(base: Job, lora: Job, launch: _dispatch.Launch, ws_base: Workspace,
-                ws_lora: Workspace, stream, device_id: int):
-    """Both alignments in one launch of two blocks (decode sizes)."""
+def launch_pair(base: Job, lora: Job, launch, ws_base: Workspace, ws_lora: Workspace, stream,
+                device_id: int):
+    """Both alignments in one launch: two blocks (decode sizes, ``launch`` a single-block
+    ``Launch``) or a cooperative launch split between them (``CooperativePair``)."""
     ks = kernels_for(base.topk_ids.dtype, device_id,
                      device_limits(device_id).smem_optin)
+    if isinstance(launch, _dispatch.CooperativePair):
+        ws_base.ensure(base.num_buckets, 0)
+        ws_lora.ensure(lora.num_buckets, 0)
+        pack(base, launch.base, ws_base)
+        pack(lora, launch.lora, ws_lora)
+        launch_kernel(ks, ("cooperative_pair", 0), launch.grid, _dispatch.BLOCK, launch.smem,
+                      stream, base, lora, cooperative=True)
+        return
     ws_base.ensure(1, 0)
     ws_lora.ensure(1, 0)
     pack(base, launch, ws_base)
     pack(lora, launch, ws_lora)
     launch_kernel(ks, ("pair", launch.deterministic), 2, launch.block,
                   launch.smem_single, stream, base, lora)
+
+
+def pair_ready(pair, base: Job, lora: Job, ws_base: Workspace, ws_lora: Workspace,
+               device_id: int) -> bool:
+    """True when the fused launch ``pair`` would allocate nothing and load no kernel."""
+    need_b, need_l = ((base.num_buckets, lora.num_buckets)
+                      if isinstance(pair, _dispatch.CooperativePair) else (1, 1))
+    return (ws_base.buckets >= need_b and ws_lora.buckets >= need_l
+            and kernels_loaded(base.topk_ids.dtype, device_id))
 
 
 _workspaces: dict = {}
@@ -375,19 +396,27 @@ STREAM_MODES = ("fused", "one", "two")
 
 
 def choose_streams(base: Job, lora: Job, device_id: int, streams=None, variant=None):
-    """Pick how base + LoRA run: ``fused`` (one launch of two blocks), ``one`` (both on the
-    caller's stream) or ``two`` (forked onto two side streams). Returns (mode, pair launch)."""
+    """Pick how base + LoRA run: ``fused`` (one launch: two blocks at decode sizes, else a
+    cooperative launch split between them), ``one`` (both on the caller's stream) or ``two``
+    (forked onto two side streams). Returns (mode, fused launch or None)."""
     if streams is not None and streams not in STREAM_MODES:
         raise ValueError(f"streams must be one of {STREAM_MODES} or None, got {streams!r}")
+    limits = device_limits(device_id)
     pair = None
     if variant in (None, "shared"):
         pair = _dispatch.choose_pair(base.numel, base.num_buckets, lora.num_buckets, lora.rows,
-                                     device_limits(device_id), deterministic=base.deterministic,
+                                     limits, deterministic=base.deterministic,
                                      out_entries=out_entries(lora))
+    if pair is None and variant in (None, "cooperative") and not base.deterministic:
+        pair = _dispatch.choose_cooperative_pair(
+            base.numel, base.num_buckets, lora.num_buckets, lora.rows, limits,
+            base_entries=out_entries(base), lora_entries=out_entries(lora))
     if streams == "fused" and pair is None:
-        raise ValueError("streams='fused' needs both alignments to fit one block each "
-                         f"(at most {_dispatch.SINGLE_BLOCK_MAX_ROUTES} routes and a shared "
-                         "histogram of every bucket); use streams='two' or None")
+        raise ValueError("streams='fused' needs both alignments in one launch: one block "
+                         f"each (at most {_dispatch.SINGLE_BLOCK_MAX_ROUTES} routes and a "
+                         "shared histogram of every bucket) or one cooperative launch (not "
+                         "deterministic, both sides' routes and buckets within its resident "
+                         "blocks); use streams='two' or None")
     if streams is None:
         streams = "fused" if pair is not None else "two"
     return streams, pair
@@ -423,8 +452,7 @@ def run_pair(base: Job, lora: Job, device_id: int, framework: str, *, streams=No
         ws_b, ws_l = workspace(device_id, second, "base"), workspace(device_id, first, "lora")
         if mode == "fused":
             lb = ll = pair
-            cold = ws_b.buckets < 1 or ws_l.buckets < 1 or not kernels_loaded(
-                base.topk_ids.dtype, device_id)
+            cold = not pair_ready(pair, base, lora, ws_b, ws_l, device_id)
         else:
             lb, ll = plan_launch(base, device_id, variant), plan_launch(lora, device_id, variant)
             cold = not (_ready(ws_b, lb, base, device_id) and _ready(ws_l, ll, lora, device_id))

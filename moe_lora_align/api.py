@@ -221,7 +221,10 @@ def moe_align_block_size(topk_ids, block_size, num_experts, expert_map=None, *,
         out: optional ``(sorted_token_ids[>=P], expert_ids[>=M], num_tokens_post_pad[>=1]
             [, scatter_idx[>=numel]])`` int32 contiguous buffers, written in place and returned.
             Sizes: ``buffer_sizes(numel, E, B, pad_sorted_ids)``.
-        variant: ``None`` (the dispatcher picks), ``"shared"`` or ``"global"``.
+        variant: ``None`` (the dispatcher picks), ``"shared"`` (shared-memory histograms:
+            one block at decode sizes, else a count and a place launch), ``"global"``
+            (counters in global memory, any number of buckets) or ``"cooperative"`` (one
+            launch of resident blocks with a grid-wide barrier; no deterministic mode).
         stream: GPU only: the stream to order the work on (a ``cupy.cuda.Stream`` or a
             framework stream); default: the current stream of the input's framework.
         validate: check values (``expert_map`` range); default on for host arrays, off for
@@ -292,10 +295,11 @@ def align_moe_and_lora(topk_ids, token_lora_mapping, block_size, num_experts, ma
     applied before counting); ``out_base``/``out_lora`` are their ``out=`` buffers.
 
     On the GPU, ``streams`` picks how the two run, ordered on the caller's stream:
-    ``"fused"`` one launch that computes both (decode sizes), ``"two"`` the LoRA and base
-    alignments forked onto two side streams and joined back (prefill sizes), ``"one"`` both
-    after each other on the caller's stream; ``None`` lets the dispatcher choose. On the host
-    both simply run.
+    ``"fused"`` one launch that computes both (one block each at decode sizes, else one
+    cooperative launch with the SMs split between them), ``"two"`` the LoRA and base
+    alignments forked onto two side streams and joined back, ``"one"`` both after each other
+    on the caller's stream; ``None`` lets the dispatcher choose (fused where it can run). On
+    the host both simply run.
     """
     max_loras = _checks.positive_int("max_loras", max_loras)
     base = _prepare(topk_ids, block_size, num_experts, rows=1, expert_map=expert_map,

@@ -207,3 +207,26 @@ def test_cooperative_pack_points_at_its_own_scratch():
     _launch.pack(job, launch, ws)
     f = np.frombuffer(job.packed, dtype=_launch.PROBLEM_DTYPE)[0]
     assert (f["counts"], f["ticket"], f["count_stride"], f["chunk"]) == (6, 7, 300, launch.chunk)
+
+
+@pytest.mark.parametrize("numel,base_blocks,lora_blocks", [
+    (8, 1, 32), (16384 * 8, 32, 100), (4096 * 8, 8, 96), (65536 * 8, 66, 66)])
+def test_cooperative_pair_splits_the_sms(numel, base_blocks, lora_blocks):
+    """Base gets blocks for about four routes a thread (at most half the SMs), LoRA the rest
+    (each side as many as its routes and its share of the fill use); together at most one
+    block a SM, so every block of the launch is resident."""
+    P = numel + 256 * 63
+    pair = d.choose_cooperative_pair(numel, 256, 16 * 256, 16, H200, base_entries=P,
+                                     lora_entries=16 * P)
+    assert (pair.base.grid, pair.lora.grid) == (base_blocks, lora_blocks)
+    assert pair.grid <= H200.sm_count
+    for side in (pair.base, pair.lora):
+        assert side.kind == "cooperative" and side.grid * side.chunk >= numel
+        assert side.chunk <= d.COOP_ITEMS * d.BLOCK and side.smem_place <= pair.smem
+    assert pair.smem <= H200.smem_optin
+
+
+def test_cooperative_pair_declines_what_it_cannot_hold():
+    assert d.choose_cooperative_pair(65536 * 10, 512, 16 * 512, 16, H200) is None  # routes
+    assert d.choose_cooperative_pair(1024, 256, 65536, 16, H200) is None  # LoRA buckets
+    assert d.choose_cooperative_pair(1024, 256, 4096, 16, NO_COOP) is None

@@ -47,23 +47,25 @@ def _check(got_base, got_lora, ids, mapping, lora_ids, enabled, B, E, max_loras)
 def test_together_equals_separate(T, E, K, B, L, streams):
     ids, mapping, lora_ids, enabled = _inputs(T, E, K, L)
     args = dict(lora_ids=cupy.asarray(lora_ids), adapter_enabled=cupy.asarray(enabled))
-    if streams == "fused" and T * K > mla._dispatch.SINGLE_BLOCK_MAX_ROUTES:
-        with pytest.raises(ValueError, match="fused"):
-            mla.align_moe_and_lora(cupy.asarray(ids), cupy.asarray(mapping), B, E, L,
-                                   streams=streams, **args)
-        return
     base, lora = mla.align_moe_and_lora(cupy.asarray(ids), cupy.asarray(mapping), B, E, L,
                                         streams=streams, **args)
     cupy.cuda.get_current_stream().synchronize()
     _check(base, lora, ids, mapping, lora_ids, enabled, B, E, L)
 
 
-@pytest.mark.parametrize("streams", ["one", "two"])
+@pytest.mark.parametrize("streams", ["one", "two", "fused"])
 @pytest.mark.parametrize("variant", ["shared", "cooperative"])
-def test_together_prefill_each_variant(variant, streams):
-    """Prefill base + LoRA through count + place and through the cooperative kernel, on one
-    stream and forked onto two (two cooperative launches may then run at once)."""
-    T, E, K, B, L = 16384, 256, 8, 64, 16
+@pytest.mark.parametrize("T,E,K,B,L", [(16384, 256, 8, 64, 16), (3, 64, 8, 16, 4),
+                                       (65536, 64, 8, 64, 4)])
+def test_together_each_variant(T, E, K, B, L, variant, streams):
+    """Base + LoRA through count + place (or one block each) and through the cooperative
+    kernels: on one stream, forked onto two (two cooperative launches may then run at once)
+    and fused (one cooperative launch split between base and LoRA)."""
+    if variant == "shared" and streams == "fused" and T * K > 4096:
+        with pytest.raises(ValueError, match="fused"):
+            mla.align_moe_and_lora(cupy.zeros((T, K), np.int32), cupy.zeros(T, np.int32), B,
+                                   E, L, streams=streams, variant=variant)
+        return
     ids, mapping, lora_ids, enabled = _inputs(T, E, K, L, seed=9)
     for _ in range(3):  # the cooperative kernel's count buffers alternate between calls
         base, lora = mla.align_moe_and_lora(cupy.asarray(ids), cupy.asarray(mapping), B, E, L,
@@ -72,6 +74,12 @@ def test_together_prefill_each_variant(variant, streams):
                                             streams=streams, variant=variant)
         cupy.cuda.get_current_stream().synchronize()
         _check(base, lora, ids, mapping, lora_ids, enabled, B, E, L)
+
+
+def test_fused_prefill_has_no_deterministic_mode():
+    with pytest.raises(ValueError, match="fused"):
+        mla.align_moe_and_lora(cupy.zeros((8192, 8), np.int32), cupy.zeros(8192, np.int32), 64,
+                               256, 16, streams="fused", deterministic=True)
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
@@ -109,7 +117,7 @@ def _delayed_copy(src, dst, cycles):
 def test_caller_stream_order(streams):
     """Work queued on a non-default caller stream before the call is seen by the alignment,
     and work queued after it sees the results."""
-    T, E, K, B, L = (255, 64, 8, 16, 4) if streams == "fused" else (16384, 256, 8, 64, 16)
+    T, E, K, B, L = 16384, 256, 8, 64, 16
     # every slot processed: the out= rows of unprocessed slots would keep their old zeros
     ids, mapping, lora_ids, enabled = _inputs(T, E, K, L, seed=5, disabled=0)
     caller = cupy.cuda.Stream(non_blocking=True)
@@ -155,8 +163,6 @@ def test_plan_reuse_across_sizes():
 def test_plan_replayed_calls_see_new_inputs(T, E, K, B, L, streams):
     """Calls after the first replay its launches: fresh arrays (new addresses), new values,
     other streams, outputs poisoned in between; every result equals the oracle's."""
-    if streams == "fused" and T * K > 4096:
-        pytest.skip("the fused launch holds at most 4096 routes")
     plan = mla.AlignPlan(T, K, E, B, max_loras=L, streams=streams)
     s1, s2 = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
     for seed, stream in zip(range(30, 36), (s1, s2, s1, None, s2, s1)):
