@@ -74,6 +74,7 @@ CASES = [  # op, T, E, K, B, L
     ("lora", 256, 256, 8, 16, 16), ("base", 4096, 8, 2, 64, None),
     ("base", 16384, 256, 8, 64, None), ("base", 65536, 256, 8, 64, None),
     ("lora", 4096, 256, 8, 64, 16), ("lora", 16384, 256, 8, 64, 16),
+    ("pair", 4096, 256, 8, 64, 16), ("pair", 16384, 256, 8, 64, 16),
 ]
 STAGES = {0: ["entry", "rows+fill", "claim", "scan", "stores", "end"],
           1: ["entry", "rows", "claim", "flush", "ticket", "scan", "end"],
