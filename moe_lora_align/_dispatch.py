@@ -81,6 +81,11 @@ SINGLE_BLOCK_SIZES = (128, 256, 512, 1024)
 ENTRIES_PER_THREAD = 64       # output entries a thread of the single block writes at most
 BUCKETS_PER_THREAD = 4        # buckets a thread zeroes and scans at most
 ONE_ROUTE_PER_THREAD = 512    # up to this many routes, each thread claims one
+# Above this many output entries the one-block kernel, which writes them all through one SM,
+# loses to the cooperative launch (results/r13-68c1139, graph µs, one block vs cooperative):
+# LoRA T=256 E=256 16 slots (100K entries) 16.4 vs 14.1; T=16 E=256 16 slots (67K) 8.8 vs
+# 12.4; T=256 E=128 16 slots (50K) 10.5 vs 11.9.
+COOP_OVER_SINGLE_ENTRIES = 81920
 
 
 def single_block_threads(numel: int, out_entries: int, num_buckets: int = 0) -> int:
@@ -166,6 +171,10 @@ def choose_launch(numel: int, num_buckets: int, rows: int, limits: DeviceLimits,
             "use variant='global' or leave variant unset"
         )
     chosen = variant or ("shared" if fits else "global")
+    if variant is None and not deterministic and out_entries > COOP_OVER_SINGLE_ENTRIES:
+        coop = _cooperative(numel, num_buckets, rows, limits, out_entries)
+        if coop is not None:
+            return coop
     if chosen == "shared" and allow_single:
         single = _single_block(numel, num_buckets, rows, deterministic, limits, out_entries)
         if single is not None:
@@ -285,9 +294,14 @@ def choose_cooperative_pair(numel: int, base_buckets: int, lora_buckets: int, ro
 
 
 def choose_pair(numel: int, base_buckets: int, lora_buckets: int, rows: int,
-                limits: DeviceLimits, *, deterministic: bool = False, out_entries: int = 0):
-    """The fused single launch for base + LoRA, or ``None`` when either side needs more.
-    ``out_entries``: output entries of the LoRA side (the larger)."""
+                limits: DeviceLimits, *, deterministic: bool = False, out_entries: int = 0,
+                prefer_cooperative: bool = False):
+    """The fused single launch for base + LoRA, or ``None`` when either side needs more
+    (or, with ``prefer_cooperative``, the LoRA side writes so much that one block for it
+    loses to the cooperative pair). ``out_entries``: output entries of the LoRA side."""
+    if (prefer_cooperative and not deterministic and limits.cooperative
+            and out_entries > COOP_OVER_SINGLE_ENTRIES):
+        return None
     base = _single_block(numel, base_buckets, 1, deterministic, limits, out_entries // max(rows, 1))
     lora = _single_block(numel, lora_buckets, rows, deterministic, limits, out_entries)
     if base is None or lora is None:

@@ -406,7 +406,8 @@ def choose_streams(base: Job, lora: Job, device_id: int, streams=None, variant=N
     if variant in (None, "shared"):
         pair = _dispatch.choose_pair(base.numel, base.num_buckets, lora.num_buckets, lora.rows,
                                      limits, deterministic=base.deterministic,
-                                     out_entries=out_entries(lora))
+                                     out_entries=out_entries(lora),
+                                     prefer_cooperative=variant is None)
     if pair is None and variant in (None, "cooperative") and not base.deterministic:
         pair = _dispatch.choose_cooperative_pair(
             base.numel, base.num_buckets, lora.num_buckets, lora.rows, limits,

@@ -125,7 +125,7 @@ def test_pair_fuses_decode_and_declines_prefill():
     (8, 0, 512, 128), (8, 0, 1024, 256), (8, 0, 4096, 1024)])
 def test_single_block_size_follows_the_work(numel, entries, buckets, threads):
     assert d.single_block_threads(numel, entries, buckets) == threads
-    launch = d.choose_launch(numel, buckets, 1, H200, out_entries=entries)
+    launch = d.choose_launch(numel, buckets, 1, NO_COOP, out_entries=entries)
     assert launch.kind == "single" and launch.block == threads
 
 
@@ -230,3 +230,20 @@ def test_cooperative_pair_declines_what_it_cannot_hold():
     assert d.choose_cooperative_pair(65536 * 10, 512, 16 * 512, 16, H200) is None  # routes
     assert d.choose_cooperative_pair(1024, 256, 65536, 16, H200) is None  # LoRA buckets
     assert d.choose_cooperative_pair(1024, 256, 4096, 16, NO_COOP) is None
+
+
+def test_decode_with_a_large_fill_prefers_the_cooperative_launch():
+    # LoRA T=256 E=256 B=16, 16 slots: 100K output entries through one SM lose to the grid
+    entries = 16 * (5888 + 368)
+    assert d.choose_launch(2048, 16 * 256, 16, H200, out_entries=entries).kind == "cooperative"
+    assert d.choose_launch(2048, 16 * 256, 16, NO_COOP, out_entries=entries).kind == "single"
+    assert d.choose_launch(2048, 16 * 256, 16, H200, out_entries=entries,
+                           variant="shared").kind == "single"
+    assert d.choose_launch(2048, 16 * 256, 16, H200, out_entries=entries,
+                           deterministic=True).kind == "single"
+    # T=16: 67K entries, one block still wins
+    assert d.choose_launch(128, 16 * 256, 16, H200, out_entries=16 * (3968 + 248)).kind == \
+        "single"
+    assert d.choose_pair(2048, 256, 16 * 256, 16, H200, out_entries=entries,
+                         prefer_cooperative=True) is None
+    assert d.choose_pair(2048, 256, 16 * 256, 16, H200, out_entries=entries) is not None
