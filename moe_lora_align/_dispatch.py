@@ -125,11 +125,12 @@ def _ceil_div(a, b):
     return -(-a // b)
 
 
-def _cooperative(numel, num_buckets, rows, limits, out_entries):
+def _cooperative(numel, num_buckets, rows, limits, out_entries, deterministic=False):
     """The one-launch multi-block kernel's geometry, or None where it cannot run: no
     cooperative launch, more routes than the resident blocks hold, or its shared memory
-    (histogram, reserved offsets, starts: 12 bytes a bucket; 8 bytes a staged route) does not
-    fit. At most one block per SM, so every block is resident whatever the occupancy."""
+    (histogram, reserved offsets, starts: 12 bytes a bucket; 8 bytes a staged route; in
+    deterministic mode 2 bytes a bucket for each of 32 warps) does not fit. At most one block
+    per SM, so every block is resident whatever the occupancy."""
     if not limits.cooperative:
         return None
     per_sm = _ceil_div(max(numel, 1), limits.sm_count)
@@ -137,12 +138,14 @@ def _cooperative(numel, num_buckets, rows, limits, out_entries):
     if chunk > COOP_ITEMS * BLOCK:
         return None
     smem = row_region_bytes(rows) + 4 * (3 * num_buckets + 2) + 8 * chunk + SMEM_SLACK
+    if deterministic:
+        smem += 2 * (BLOCK // 32) * (num_buckets + (num_buckets & 1))
     if smem > limits.smem_optin:
         return None
     # Blocks past the last chunk only take their share of the sentinel fill.
     fill_blocks = min(limits.sm_count, _ceil_div(out_entries, FILL_PER_BLOCK))
     grid = max(1, _ceil_div(numel, chunk), fill_blocks)
-    return Launch("cooperative", "cooperative", False, BLOCK, grid=grid, chunk=chunk,
+    return Launch("cooperative", "cooperative", deterministic, BLOCK, grid=grid, chunk=chunk,
                   smem_place=smem)
 
 
@@ -171,16 +174,16 @@ def choose_launch(numel: int, num_buckets: int, rows: int, limits: DeviceLimits,
             "use variant='global' or leave variant unset"
         )
     chosen = variant or ("shared" if fits else "global")
-    if variant is None and not deterministic and out_entries > COOP_OVER_SINGLE_ENTRIES:
-        coop = _cooperative(numel, num_buckets, rows, limits, out_entries)
+    if variant is None and out_entries > COOP_OVER_SINGLE_ENTRIES:
+        coop = _cooperative(numel, num_buckets, rows, limits, out_entries, deterministic)
         if coop is not None:
             return coop
     if chosen == "shared" and allow_single:
         single = _single_block(numel, num_buckets, rows, deterministic, limits, out_entries)
         if single is not None:
             return single
-    if variant is None and not deterministic:
-        coop = _cooperative(numel, num_buckets, rows, limits, out_entries)
+    if variant is None:
+        coop = _cooperative(numel, num_buckets, rows, limits, out_entries, deterministic)
         if coop is not None:
             return coop
 
@@ -227,11 +230,7 @@ def choose_launch(numel: int, num_buckets: int, rows: int, limits: DeviceLimits,
 
 
 def _forced_cooperative(numel, num_buckets, rows, limits, deterministic, out_entries):
-    if deterministic:
-        raise ValueError("variant='cooperative' has no deterministic mode; use "
-                         "variant='shared' or 'global' (or leave it unset) with "
-                         "deterministic=True")
-    coop = _cooperative(numel, num_buckets, rows, limits, out_entries)
+    coop = _cooperative(numel, num_buckets, rows, limits, out_entries, deterministic)
     if coop is None:
         if not limits.cooperative:
             why = "this device or CuPy cannot issue cooperative launches"
@@ -239,8 +238,9 @@ def _forced_cooperative(numel, num_buckets, rows, limits, deterministic, out_ent
             why = (f"{numel} routes are more than its {limits.sm_count} resident blocks "
                    f"hold ({COOP_ITEMS * BLOCK} each)")
         else:
-            why = (f"its shared memory for {num_buckets} buckets exceeds the device's "
-                   f"{limits.smem_optin} bytes per block")
+            why = (f"its shared memory for {num_buckets} buckets"
+                   + (" (with per-warp counters: deterministic)" if deterministic else "")
+                   + f" exceeds the device's {limits.smem_optin} bytes per block")
         raise ValueError(f"variant='cooperative' cannot run this alignment: {why}; use "
                          "variant='shared' or 'global', or leave variant unset")
     return coop
@@ -302,7 +302,8 @@ def choose_pair(numel: int, base_buckets: int, lora_buckets: int, rows: int,
     if (prefer_cooperative and not deterministic and limits.cooperative
             and out_entries > COOP_OVER_SINGLE_ENTRIES):
         return None
-    base = _single_block(numel, base_buckets, 1, deterministic, limits, out_entries // max(rows, 1))
+    base = _single_block(numel, base_buckets, 1, deterministic, limits,
+                         out_entries // max(rows, 1))
     lora = _single_block(numel, lora_buckets, rows, deterministic, limits, out_entries)
     if base is None or lora is None:
         return None

@@ -64,10 +64,10 @@ def kernel_names(dtype) -> dict:
         d = "true" if det else "false"
         names[("single", det)] = f"align_single<{t}, {d}>"
         names[("pair", det)] = f"align_pair<{t}, {d}>"
+        names[("cooperative", det)] = f"align_cooperative<{t}, {d}>"
     for mode in (0, 1, 2):
         names[("count", mode)] = f"align_count<{t}, {mode}>"
         names[("place", mode)] = f"align_place<{t}, {mode}>"
-    names[("cooperative", 0)] = f"align_cooperative<{t}>"
     names[("cooperative_pair", 0)] = f"align_cooperative_pair<{t}>"
     return names
 

@@ -285,6 +285,8 @@ def workspace_needs(launch: _dispatch.Launch, num_buckets: int):
     # Per-chunk offsets of every bucket: deterministic and shared multi-block modes.
     matrix = (launch.grid // launch.ranges) * num_buckets if launch.mode in (0, 2) and \
         launch.kind == "multi" else 0
+    if launch.kind == "cooperative" and launch.deterministic:
+        matrix = launch.grid * num_buckets  # per-block counts, prefixed between two barriers
     return num_buckets, matrix
 
 
@@ -299,8 +301,8 @@ def launch_one(job: Job, launch: _dispatch.Launch, ws: Workspace, stream, device
                       launch.smem_single, stream, job)
         return
     if launch.kind == "cooperative":
-        launch_kernel(ks, ("cooperative", 0), launch.grid, launch.block, launch.smem_place,
-                      stream, job, cooperative=True)
+        launch_kernel(ks, ("cooperative", launch.deterministic), launch.grid, launch.block,
+                      launch.smem_place, stream, job, cooperative=True)
         return
     launch_kernel(ks, ("count", launch.mode), launch.count_grid, launch.block,
                   launch.smem_count, stream, job)

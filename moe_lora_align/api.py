@@ -224,7 +224,7 @@ def moe_align_block_size(topk_ids, block_size, num_experts, expert_map=None, *,
         variant: ``None`` (the dispatcher picks), ``"shared"`` (shared-memory histograms:
             one block at decode sizes, else a count and a place launch), ``"global"``
             (counters in global memory, any number of buckets) or ``"cooperative"`` (one
-            launch of resident blocks with a grid-wide barrier; no deterministic mode).
+            launch of resident blocks with a grid-wide barrier).
         stream: GPU only: the stream to order the work on (a ``cupy.cuda.Stream`` or a
             framework stream); default: the current stream of the input's framework.
         validate: check values (``expert_map`` range); default on for host arrays, off for

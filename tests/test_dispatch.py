@@ -27,6 +27,9 @@ NO_COOP = d.DeviceLimits(sm_count=132, smem_optin=232448, cooperative=False)
     (4097, 256, 1, NO_COOP, False, None, ("shared", "multi", 2)),
     (65536 * 8, 256, 1, NO_COOP, False, None, ("shared", "multi", 2)),
     (16384 * 8, 16 * 256, 16, H200, True, None, ("shared", "multi", 2)),
+    (65536 * 8, 256, 1, H200, True, None, ("cooperative", "cooperative", 1)),
+    (16384 * 8, 4 * 512, 4, H200, True, None, ("cooperative", "cooperative", 1)),
+    (65536 * 8, 256, 1, NO_COOP, True, None, ("shared", "multi", 2)),
     # too many buckets for shared memory: the global variant, whatever the size
     (8, 65536, 16, H200, False, None, ("global", "multi", 2)),
     (65536 * 8, 65536, 16, H200, False, None, ("global", "multi", 2)),
@@ -75,7 +78,7 @@ def test_shared_override_that_cannot_fit_is_a_clear_error():
     (1024, 64, NO_COOP, False, "cannot issue cooperative launches"),
     (132 * 8192 + 1, 64, H200, False, "more than its 132 resident blocks"),
     (1024, 65536, H200, False, "shared memory for 65536 buckets"),
-    (1024, 64, H200, True, "no deterministic mode"),
+    (1024, 4096, H200, True, "per-warp counters: deterministic"),
 ])
 def test_cooperative_override_that_cannot_run_is_a_clear_error(numel, buckets, limits, det, why):
     with pytest.raises(ValueError, match=why):
@@ -100,7 +103,7 @@ def test_work_spreads_over_the_sms():
     for limits in (H200, NO_COOP):
         launch = d.choose_launch(65536 * 8, 256, 1, limits)
         assert launch.grid >= H200.sm_count * 0.9
-    det = d.choose_launch(65536 * 8, 256, 1, H200, deterministic=True)
+    det = d.choose_launch(65536 * 8, 256, 1, NO_COOP, deterministic=True)
     assert det.grid >= H200.sm_count
 
 
