@@ -17,7 +17,8 @@ CHUNK_MATRIX_BUDGET = 1 << 18  # entries of the deterministic [chunks, buckets] 
 SMEM_SLACK = 512              # bytes kept for static shared memory and layout alignment
 FILL_PER_BLOCK = 8192         # sentinel entries per count-kernel block, at most (about)
 
-COOP_ITEMS = 8                # kernels/align_cooperative: COOP_ITEMS routes per thread, at most
+COOP_ITEMS = 8                # kernels/align_kernels.cu: COOP_ITEMS (cooperative kernels'
+                              #   routes per thread, at most)
 
 # "shared" / "global": where the counting histogram lives (one block at decode sizes, else a
 # count and a place launch); "cooperative": shared histograms, one launch of resident blocks
@@ -174,18 +175,17 @@ def choose_launch(numel: int, num_buckets: int, rows: int, limits: DeviceLimits,
             "use variant='global' or leave variant unset"
         )
     chosen = variant or ("shared" if fits else "global")
-    if variant is None and out_entries > COOP_OVER_SINGLE_ENTRIES:
+    coop = None
+    if variant is None:
         coop = _cooperative(numel, num_buckets, rows, limits, out_entries, deterministic)
-        if coop is not None:
+        if coop is not None and out_entries > COOP_OVER_SINGLE_ENTRIES:
             return coop
     if chosen == "shared" and allow_single:
         single = _single_block(numel, num_buckets, rows, deterministic, limits, out_entries)
         if single is not None:
             return single
-    if variant is None:
-        coop = _cooperative(numel, num_buckets, rows, limits, out_entries, deterministic)
-        if coop is not None:
-            return coop
+    if coop is not None:
+        return coop
 
     if not deterministic:
         # Enough chunks to spread over the SMs, at most ITEMS_PER_THREAD routes a thread.
