@@ -36,34 +36,6 @@ __device__ __forceinline__ void for_routes(const Problem& p, int first, int step
   }
 }
 
-// Deterministic ranks, first pass: warp w counts its run [lo, hi) of routes into its own
-// counters (and writes scatter_idx); then every bucket's per-warp counts become the routes
-// of the warps before it, so a second pass with claim_in_lane_order ranks in flat order.
-// `total(b, n)` receives each bucket's count in the block.
-template <typename IdT, typename TotalFn>
-__device__ __forceinline__ void count_warp_runs(const Problem& p, const unsigned char* processed,
-                                                unsigned short* warp_counts, int stride, int nb,
-                                                int lo, int hi, TotalFn total) {
-  const int lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
-  unsigned short* mine = warp_counts + (threadIdx.x >> 5) * stride;
-  for_routes<IdT>(p, lo + lane, 32, hi, [&](int i, Route r) {
-    const int b = bucket_of(p, r, processed);
-    if (p.scatter_idx != nullptr && i < hi) p.scatter_idx[i] = b >= 0 ? i : -1;
-    claim(mine, b);  // totals only: order does not matter here
-  });
-  __syncthreads();
-  for (int b = threadIdx.x; b < nb; b += blockDim.x) {
-    int run = 0;
-    for (int w = 0; w < nwarps; ++w) {
-      const int c = warp_counts[w * stride + b];
-      warp_counts[w * stride + b] = (unsigned short)run;
-      run += c;
-    }
-    total(b, run);
-  }
-  __syncthreads();
-}
-
 // ---------------------------------------------------------------------------------------------
 // Single block: count, scan, place and fill in one launch (decode sizes).
 // After the row region: starts[nb + 1] ints | DET: warp_counts[nwarps * stride] ushort,
@@ -116,8 +88,22 @@ __device__ void align_in_one_block(const Problem& p, int stamp_as = 0) {
     MLA_STAMP(stamp_as, 4);
   } else {
     unsigned short* mine = warp_counts + warp * stride;
-    count_warp_runs<IdT>(p, processed, warp_counts, stride, nb, lo, hi,
-                         [&](int b, int n) { starts[b] = n; });
+    for_routes<IdT>(p, lo + lane, 32, hi, [&](int i, Route r) {
+      const int b = bucket_of(p, r, processed);
+      if (p.scatter_idx != nullptr && i < hi) p.scatter_idx[i] = b >= 0 ? i : -1;
+      claim(mine, b);  // totals only: order does not matter here
+    });
+    __syncthreads();
+    for (int b = threadIdx.x; b < nb; b += blockDim.x) {
+      int run = 0;
+      for (int w = 0; w < nwarps; ++w) {
+        const int c = warp_counts[w * stride + b];
+        warp_counts[w * stride + b] = (unsigned short)run;
+        run += c;
+      }
+      starts[b] = run;
+    }
+    __syncthreads();
     scan_padded_counts(p, nb, [&](int b) { return starts[b]; }, starts, warp_sums);
     for_routes<IdT>(p, lo + lane, 32, hi, [&](int i, Route r) {
       const int b = bucket_of(p, r, processed);
@@ -533,14 +519,27 @@ __device__ __forceinline__ void align_cooperatively(const Problem& p, int block,
         if (b0 + u * blockDim.x < nb) adj[b0 + u * blockDim.x] = more[u];
     }
   } else {
-    // hist := the block's count of each bucket, published for the prefix over blocks and
-    // added to the bucket's total.
-    count_warp_runs<IdT>(p, processed, warp_counts, stride, nb, lo, hi, [&](int b, int n) {
-      hist[b] = n;
-      p.chunk_hist[(long long)block * nb + b] = n;
-      if (n != 0) atomicAdd(counts + b, n);
+    for_routes<IdT>(p, lo + lane, 32, hi, [&](int i, Route r) {
+      const int b = bucket_of(p, r, processed);
+      if (p.scatter_idx != nullptr && i < hi) p.scatter_idx[i] = b >= 0 ? i : -1;
+      claim(mine, b);  // totals only: order does not matter here
     });
+    __syncthreads();
     MLA_STAMP(3, 2);
+    // Per bucket: each warp's counter := routes of the warps before it; hist := block total,
+    // published for the prefix over blocks, and added to the bucket's total.
+    for (int b = threadIdx.x; b < nb; b += blockDim.x) {
+      int run = 0;
+      for (int w = 0; w < nwarps; ++w) {
+        const int c = warp_counts[w * stride + b];
+        warp_counts[w * stride + b] = (unsigned short)run;
+        run += c;
+      }
+      hist[b] = run;
+      p.chunk_hist[(long long)block * nb + b] = run;
+      if (run != 0) atomicAdd(counts + b, run);
+    }
+    __syncthreads();
   }
   // hist := the block's own offsets of each bucket (exclusive), hist[nb] := its route count.
   scan_block(nb, [&](int b) { return hist[b]; }, hist, warp_sums);
