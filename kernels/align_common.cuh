@@ -54,7 +54,9 @@ struct Problem {
   int tiles_shift;
   int count_stride;             // cooperative kernel: entries between its two count buffers
   int coop_blocks;              // cooperative kernels: blocks aligning this problem
-  int reserved_;                // keeps the size a multiple of 8 bytes
+  int fill_tail;                // 0: no row is written past its total, only the padding inside
+                                //   segments (single-block and cooperative kernels; the host
+                                //   packs 1 for the others)
 };
 
 // Stage timestamps for scripts/stage_probe.py, compiled in only with -DMLA_PROBE: thread 0 of
@@ -125,6 +127,12 @@ __device__ void mark_processed_rows(const Problem& p, unsigned char* processed) 
 
 __device__ __forceinline__ bool row_written(const Problem& p, const unsigned char* processed, int r) {
   return processed[r] || p.fill_unprocessed;
+}
+
+// Rows the up-front sentinel fill covers: every written row, or none without the tail fill
+// (then fill_gaps writes the padding inside segments and nothing past a row's total is written).
+__device__ __forceinline__ bool row_prefilled(const Problem& p, const unsigned char* processed, int r) {
+  return p.fill_tail && row_written(p, processed, r);
 }
 
 // A route as loaded from global memory: its id and its token's slot. Loading every route of
@@ -213,7 +221,7 @@ __device__ __forceinline__ int claim_in_lane_order(unsigned short* counter, int 
   return base + __popc(peers & lanemask_lt());
 }
 
-// Fill rows [rows, pitch] of `base` with `value` in [0, len), skipping rows not written.
+// Fill rows [rows, pitch] of `base` with `value` in [0, len), skipping rows not prefilled.
 // 16-byte stores where alignment allows; never touches [len, pitch). Row r starts at thread
 // r * units mod nthreads, so the rows spread over all threads (all blocks) as one flat range
 // would: starting every row at thread 0 left most blocks idle and each SM's store queue
@@ -225,7 +233,7 @@ __device__ void fill_rows(const Problem& p, const unsigned char* processed, int*
   const int4 v = make_int4(value, value, value, value);
   int offset = 0;
   for (int r = 0; r < p.rows; ++r) {
-    if (row_written(p, processed, r)) {
+    if (row_prefilled(p, processed, r)) {
       int* row = base + (long long)r * pitch;
       int k = tid - offset;
       if (k < 0) k += nthreads;
@@ -308,14 +316,17 @@ __device__ void write_expert_ids(const Problem& p, const unsigned char* processe
     const int r = fast_div(k, p.tiles_magic, p.tiles_shift), t = k - r * M;
     if (!row_written(p, processed, r)) continue;
     int value = -1;
+    bool inside = false;  // a tile of the row's segments (else past its total)
     if (processed[r]) {
       const int row_base = starts[r * E];
       const long long pos = (long long)t * p.block_size;
-      if (pos < (long long)(starts[r * E + E] - row_base)) {
+      inside = pos < (long long)(starts[r * E + E] - row_base);
+      if (inside) {
         value = owning_bucket(starts, r * E, r * E + E, row_base + (int)pos) - r * E;
         if (p.map_mode == 2) value = p.expert_map[value];
       }
     }
+    if (!inside && !p.fill_tail) continue;
     p.expert_ids[(long long)r * p.expert_pitch + t] = value;
   }
 }
@@ -336,4 +347,18 @@ __device__ __forceinline__ int row_of(const Problem& p, int bucket) {
 __device__ __forceinline__ long long output_index(const Problem& p, const int* starts, int bucket, int rank) {
   const int r = row_of(p, bucket);
   return (long long)r * p.sorted_pitch + (starts[bucket] - starts[r * p.num_experts]) + rank;
+}
+
+// Without the tail fill: the sentinel into the padding of each segment, [start + count, end),
+// for buckets first, first + step, ... (`count` holds the raw counts, `starts` the padded scan).
+__device__ void fill_gaps(const Problem& p, const int* count, const int* starts, int first, int step) {
+  if (p.fill_tail) return;
+  const int E = p.num_experts, nb = num_buckets(p);
+  for (int b = first; b < nb; b += step) {
+    const int c = count[b], gap = starts[b + 1] - starts[b] - c;
+    if (gap <= 0) continue;  // full tiles, or an empty bucket
+    const int r = row_of(p, b);
+    int* seg = p.sorted_ids + (long long)r * p.sorted_pitch + (starts[b] - starts[r * E]) + c;
+    for (int k = 0; k < gap; ++k) seg[k] = p.numel;
+  }
 }

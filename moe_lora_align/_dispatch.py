@@ -103,10 +103,18 @@ def single_block_threads(numel: int, out_entries: int, num_buckets: int = 0) -> 
     return BLOCK
 
 
-def _single_block(numel, num_buckets, rows, deterministic, limits, out_entries=0):
+def tail_bytes(num_buckets: int, fill_tail: bool) -> int:
+    """Shared bytes the single-block and cooperative kernels add without the tail fill: the
+    raw counts, kept beside the segment starts for the padding inside segments."""
+    return 0 if fill_tail else 4 * num_buckets
+
+
+def _single_block(numel, num_buckets, rows, deterministic, limits, out_entries=0,
+                  fill_tail=True):
     if numel > SINGLE_BLOCK_MAX_ROUTES:
         return None
-    base = 4 * (num_buckets + 1) + row_region_bytes(rows) + SMEM_SLACK
+    base = (4 * (num_buckets + 1) + row_region_bytes(rows) + SMEM_SLACK
+            + tail_bytes(num_buckets, fill_tail))
     block = single_block_threads(numel, out_entries, num_buckets)
     if not deterministic:
         if base > limits.smem_optin:
@@ -126,7 +134,8 @@ def _ceil_div(a, b):
     return -(-a // b)
 
 
-def _cooperative(numel, num_buckets, rows, limits, out_entries, deterministic=False):
+def _cooperative(numel, num_buckets, rows, limits, out_entries, deterministic=False,
+                 fill_tail=True):
     """The one-launch multi-block kernel's geometry, or None where it cannot run: no
     cooperative launch, more routes than the resident blocks hold, or its shared memory
     (histogram, reserved offsets, starts: 12 bytes a bucket; 8 bytes a staged route; in
@@ -138,7 +147,8 @@ def _cooperative(numel, num_buckets, rows, limits, out_entries, deterministic=Fa
     chunk = max(BLOCK, _ceil_div(per_sm, BLOCK) * BLOCK)
     if chunk > COOP_ITEMS * BLOCK:
         return None
-    smem = row_region_bytes(rows) + 4 * (3 * num_buckets + 2) + 8 * chunk + SMEM_SLACK
+    smem = (row_region_bytes(rows) + 4 * (3 * num_buckets + 2) + 8 * chunk + SMEM_SLACK
+            + tail_bytes(num_buckets, fill_tail))
     if deterministic:
         smem += 2 * (BLOCK // 32) * (num_buckets + (num_buckets & 1))
     if smem > limits.smem_optin:
@@ -152,11 +162,14 @@ def _cooperative(numel, num_buckets, rows, limits, out_entries, deterministic=Fa
 
 def choose_launch(numel: int, num_buckets: int, rows: int, limits: DeviceLimits, *,
                   deterministic: bool = False, variant: str | None = None,
-                  allow_single: bool = True, out_entries: int = 0) -> Launch:
+                  allow_single: bool = True, out_entries: int = 0,
+                  fill_tail: bool = True) -> Launch:
     """Pick the variant and launch geometry of one alignment.
 
     ``num_buckets`` is ``rows * num_experts``; ``out_entries`` the output entries written
-    (``rows * (P + M)``), which sizes the single block and the fill's share of blocks.
+    (``rows * (P + M)``, or fewer without the tail fill), which sizes the single block and
+    the fill's share of blocks. ``fill_tail=False``: the single-block and cooperative kernels
+    write nothing past each row's total (count + place still fill it, which is allowed).
     ``variant`` forces a kernel family: "shared" (one block, else count + place with shared
     histograms), "global" (count + place, global counters) or "cooperative" (one launch of
     resident blocks); forcing one that cannot run these sizes raises ``ValueError``. Left to
@@ -166,7 +179,8 @@ def choose_launch(numel: int, num_buckets: int, rows: int, limits: DeviceLimits,
     if variant is not None and variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS} or None, got {variant!r}")
     if variant == "cooperative":
-        return _forced_cooperative(numel, num_buckets, rows, limits, deterministic, out_entries)
+        return _forced_cooperative(numel, num_buckets, rows, limits, deterministic, out_entries,
+                                   fill_tail)
     fits = shared_fits(num_buckets, rows, limits)
     if variant == "shared" and not fits:
         raise ValueError(
@@ -177,11 +191,13 @@ def choose_launch(numel: int, num_buckets: int, rows: int, limits: DeviceLimits,
     chosen = variant or ("shared" if fits else "global")
     coop = None
     if variant is None:
-        coop = _cooperative(numel, num_buckets, rows, limits, out_entries, deterministic)
+        coop = _cooperative(numel, num_buckets, rows, limits, out_entries, deterministic,
+                            fill_tail)
         if coop is not None and out_entries > COOP_OVER_SINGLE_ENTRIES:
             return coop
     if chosen == "shared" and allow_single:
-        single = _single_block(numel, num_buckets, rows, deterministic, limits, out_entries)
+        single = _single_block(numel, num_buckets, rows, deterministic, limits, out_entries,
+                               fill_tail)
         if single is not None:
             return single
     if coop is not None:
@@ -229,8 +245,9 @@ def choose_launch(numel: int, num_buckets: int, rows: int, limits: DeviceLimits,
                   smem_place=place, starts_in_smem=copy)
 
 
-def _forced_cooperative(numel, num_buckets, rows, limits, deterministic, out_entries):
-    coop = _cooperative(numel, num_buckets, rows, limits, out_entries, deterministic)
+def _forced_cooperative(numel, num_buckets, rows, limits, deterministic, out_entries,
+                        fill_tail=True):
+    coop = _cooperative(numel, num_buckets, rows, limits, out_entries, deterministic, fill_tail)
     if coop is None:
         if not limits.cooperative:
             why = "this device or CuPy cannot issue cooperative launches"
@@ -272,7 +289,7 @@ class CooperativePair:
 
 def choose_cooperative_pair(numel: int, base_buckets: int, lora_buckets: int, rows: int,
                             limits: DeviceLimits, *, base_entries: int = 0,
-                            lora_entries: int = 0):
+                            lora_entries: int = 0, fill_tail: bool = True):
     """Both alignments in one cooperative launch, the SMs split between them, or ``None``
     where either side cannot run in its share. The base side gets enough blocks for about
     four routes a thread (it has little to fill), at most half the SMs; LoRA the rest (its
@@ -286,7 +303,7 @@ def choose_cooperative_pair(numel: int, base_buckets: int, lora_buckets: int, ro
                                    (limits.sm_count - base_blocks, lora_buckets, rows,
                                     lora_entries)):
         side = _cooperative(numel, nb, r, DeviceLimits(blocks, limits.smem_optin, True),
-                            entries)
+                            entries, fill_tail=fill_tail)
         if side is None:
             return None
         sides.append(side)
@@ -295,7 +312,7 @@ def choose_cooperative_pair(numel: int, base_buckets: int, lora_buckets: int, ro
 
 def choose_pair(numel: int, base_buckets: int, lora_buckets: int, rows: int,
                 limits: DeviceLimits, *, deterministic: bool = False, out_entries: int = 0,
-                prefer_cooperative: bool = False):
+                prefer_cooperative: bool = False, fill_tail: bool = True):
     """The fused single launch for base + LoRA, or ``None`` when either side needs more
     (or, with ``prefer_cooperative``, the LoRA side writes so much that one block for it
     loses to the cooperative pair). ``out_entries``: output entries of the LoRA side."""
@@ -303,16 +320,18 @@ def choose_pair(numel: int, base_buckets: int, lora_buckets: int, rows: int,
             and out_entries > COOP_OVER_SINGLE_ENTRIES):
         return None
     base = _single_block(numel, base_buckets, 1, deterministic, limits,
-                         out_entries // max(rows, 1))
-    lora = _single_block(numel, lora_buckets, rows, deterministic, limits, out_entries)
+                         out_entries // max(rows, 1), fill_tail)
+    lora = _single_block(numel, lora_buckets, rows, deterministic, limits, out_entries,
+                         fill_tail)
     if base is None or lora is None:
         return None
     block = lora.block if not deterministic else min(base.block, lora.block)
     warps = block // 32
     even = lambda n: n + (n & 1)  # noqa: E731  (per-warp counter rows are 4-byte aligned)
-    smem = max(4 * (base_buckets + 1) + row_region_bytes(1)
+    smem = max(4 * (base_buckets + 1) + row_region_bytes(1) + tail_bytes(base_buckets, fill_tail)
                + (2 * warps * even(base_buckets) if deterministic else 0),
                4 * (lora_buckets + 1) + row_region_bytes(rows)
+               + tail_bytes(lora_buckets, fill_tail)
                + (2 * warps * even(lora_buckets) if deterministic else 0))
     return Launch("shared", "single", deterministic, block, grid=2,
                   smem_single=smem + SMEM_SLACK)
