@@ -349,16 +349,28 @@ __device__ __forceinline__ long long output_index(const Problem& p, const int* s
   return (long long)r * p.sorted_pitch + (starts[bucket] - starts[r * p.num_experts]) + rank;
 }
 
-// Without the tail fill: the sentinel into the padding of each segment, [start + count, end),
-// for buckets first, first + step, ... (`count` holds the raw counts, `starts` the padded scan).
-__device__ void fill_gaps(const Problem& p, const int* count, const int* starts, int first, int step) {
+// Without the tail fill: the sentinel into the padding of each segment, [start + count, end).
+// Warps take groups of 32 buckets (group first, first + step, ...): each lane reads one
+// bucket's count, then the warp writes each padded bucket's gap with consecutive lanes, so
+// the stores coalesce (one thread per bucket would issue a transaction per entry).
+template <typename CountFn>
+__device__ __forceinline__ void fill_gaps(const Problem& p, CountFn count, const int* starts, int first, int step) {
   if (p.fill_tail) return;
-  const int E = p.num_experts, nb = num_buckets(p);
-  for (int b = first; b < nb; b += step) {
-    const int c = count[b], gap = starts[b + 1] - starts[b] - c;
-    if (gap <= 0) continue;  // full tiles, or an empty bucket
-    const int r = row_of(p, b);
-    int* seg = p.sorted_ids + (long long)r * p.sorted_pitch + (starts[b] - starts[r * E]) + c;
-    for (int k = 0; k < gap; ++k) seg[k] = p.numel;
+  const int E = p.num_experts, nb = num_buckets(p), lane = threadIdx.x & 31;
+  for (int b0 = first * 32; b0 < nb; b0 += step * 32) {
+    const int b = b0 + lane;
+    int gap = 0;
+    long long at = 0;
+    if (b < nb) {
+      const int c = count(b), r = row_of(p, b);
+      gap = starts[b + 1] - starts[b] - c;  // 0 for full tiles and for empty buckets
+      at = (long long)r * p.sorted_pitch + (starts[b] - starts[r * E]) + c;
+    }
+    for (unsigned todo = __ballot_sync(MLA_FULL_MASK, gap > 0); todo != 0; todo &= todo - 1) {
+      const int src = __ffs(todo) - 1;
+      const int g = __shfl_sync(MLA_FULL_MASK, gap, src);
+      const long long a = __shfl_sync(MLA_FULL_MASK, at, src);
+      for (int k = lane; k < g; k += 32) p.sorted_ids[a + k] = p.numel;
+    }
   }
 }

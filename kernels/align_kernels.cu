@@ -114,7 +114,7 @@ __device__ void align_in_one_block(const Problem& p, int stamp_as = 0) {
       if (b >= 0) p.sorted_ids[output_index(p, starts, b, rank)] = i;
     });
   }
-  fill_gaps(p, bucket_counts, starts, threadIdx.x, blockDim.x);
+  fill_gaps(p, [&](int b) { return bucket_counts[b]; }, starts, warp, nwarps);
   write_expert_ids(p, processed, starts, threadIdx.x, blockDim.x);
   write_totals(p, processed, starts);
 #ifdef MLA_PROBE
@@ -412,8 +412,7 @@ __global__ void align_place(const Problem p) {
 //   [0] parity of the next call, [1 + q] dirty extent of buffer q, [4 + q] barrier arrivals
 // (the first four are read in one load).
 // After the row region: hist[nb + 1] | adj[nb] | starts[nb + 1] | value[chunk] | bucket_of_k[chunk]
-// | DET: warp_counts[32 * stride] ushort | without the tail fill: bucket_counts[nb] (the totals,
-// kept for fill_gaps; else they are scanned in place in starts)
+// | DET: warp_counts[32 * stride] ushort
 #define COOP_ITEMS 8    // routes per thread, at most: chunk <= COOP_ITEMS * blockDim.x
 #define COOP_RESERVE 4  // bucket reservations a thread has in flight at once
 
@@ -457,8 +456,6 @@ __device__ __forceinline__ void align_cooperatively(const Problem& p, int block,
   int* bucket_of_k = value + p.chunk;
   const int stride = (nb + 1) & ~1;
   unsigned short* warp_counts = reinterpret_cast<unsigned short*>(bucket_of_k + p.chunk);
-  int* bucket_counts = p.fill_tail ? starts
-                       : reinterpret_cast<int*>(warp_counts + (DET ? nwarps * stride : 0));
   const int c0 = min(p.numel, block * p.chunk), c1 = min(p.numel, c0 + p.chunk);
   MLA_STAMP(3, 0);
 
@@ -597,11 +594,11 @@ __device__ __forceinline__ void align_cooperatively(const Problem& p, int block,
   MLA_STAMP(3, 4);
 
   for (int b = threadIdx.x; b < nb; b += blockDim.x) {
-    bucket_counts[b] = __ldcg(counts + b);
+    starts[b] = __ldcg(counts + b);
     if (DET && hist[b + 1] != hist[b]) adj[b] = __ldcg(p.chunk_hist + (long long)block * nb + b);
   }
   __syncthreads();
-  scan_padded_counts(p, nb, [&](int b) { return bucket_counts[b]; }, starts, warp_sums);
+  scan_padded_counts(p, nb, [&](int b) { return starts[b]; }, starts, warp_sums);
   if (block == 0) {
     write_totals(p, processed, starts);
     if (threadIdx.x == 0) ctrl[0] = (unsigned)(parity ^ 1);  // every block read it before the barrier
@@ -616,7 +613,10 @@ __device__ __forceinline__ void align_cooperatively(const Problem& p, int block,
   MLA_STAMP(3, 5);
   for (int k = threadIdx.x; k < hist[nb]; k += blockDim.x)
     p.sorted_ids[adj[bucket_of_k[k]] + k] = value[k];
-  fill_gaps(p, bucket_counts, starts, tid, nthreads);
+  // Bucket groups go round the blocks first, so the gaps leave through every SM. The raw
+  // totals are read again from the count buffer (the next call zeroes it).
+  fill_gaps(p, [&](int b) { return __ldcg(counts + b); }, starts, warp * blocks + block,
+            blocks * nwarps);
   write_expert_ids(p, processed, starts, tid, nthreads);
 #ifdef MLA_PROBE
   __syncthreads();
@@ -625,14 +625,14 @@ __device__ __forceinline__ void align_cooperatively(const Problem& p, int block,
 }
 
 template <typename IdT, bool DET>
-__global__ void __launch_bounds__(1024) align_cooperative(const Problem p) {
+__global__ void __launch_bounds__(1024, 1) align_cooperative(const Problem p) {
   align_cooperatively<IdT, DET>(p, blockIdx.x, gridDim.x);
 }
 
 // Base and LoRA alignment in one cooperative launch: the first `first.coop_blocks` blocks
 // align `first`, the rest `second`; each side has its own scratch and barrier.
 template <typename IdT>
-__global__ void __launch_bounds__(1024) align_cooperative_pair(const Problem first,
+__global__ void __launch_bounds__(1024, 1) align_cooperative_pair(const Problem first,
                                                                const Problem second) {
   const int split = first.coop_blocks;
   if ((int)blockIdx.x < split) align_cooperatively<IdT, false>(first, blockIdx.x, split);

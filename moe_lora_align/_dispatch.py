@@ -104,8 +104,9 @@ def single_block_threads(numel: int, out_entries: int, num_buckets: int = 0) -> 
 
 
 def tail_bytes(num_buckets: int, fill_tail: bool) -> int:
-    """Shared bytes the single-block and cooperative kernels add without the tail fill: the
-    raw counts, kept beside the segment starts for the padding inside segments."""
+    """Shared bytes the single-block kernel adds without the tail fill: the raw counts, kept
+    beside the segment starts for the padding inside segments (the cooperative kernel reads
+    them again from its global count buffer)."""
     return 0 if fill_tail else 4 * num_buckets
 
 
@@ -134,8 +135,7 @@ def _ceil_div(a, b):
     return -(-a // b)
 
 
-def _cooperative(numel, num_buckets, rows, limits, out_entries, deterministic=False,
-                 fill_tail=True):
+def _cooperative(numel, num_buckets, rows, limits, out_entries, deterministic=False):
     """The one-launch multi-block kernel's geometry, or None where it cannot run: no
     cooperative launch, more routes than the resident blocks hold, or its shared memory
     (histogram, reserved offsets, starts: 12 bytes a bucket; 8 bytes a staged route; in
@@ -147,8 +147,7 @@ def _cooperative(numel, num_buckets, rows, limits, out_entries, deterministic=Fa
     chunk = max(BLOCK, _ceil_div(per_sm, BLOCK) * BLOCK)
     if chunk > COOP_ITEMS * BLOCK:
         return None
-    smem = (row_region_bytes(rows) + 4 * (3 * num_buckets + 2) + 8 * chunk + SMEM_SLACK
-            + tail_bytes(num_buckets, fill_tail))
+    smem = row_region_bytes(rows) + 4 * (3 * num_buckets + 2) + 8 * chunk + SMEM_SLACK
     if deterministic:
         smem += 2 * (BLOCK // 32) * (num_buckets + (num_buckets & 1))
     if smem > limits.smem_optin:
@@ -179,8 +178,7 @@ def choose_launch(numel: int, num_buckets: int, rows: int, limits: DeviceLimits,
     if variant is not None and variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS} or None, got {variant!r}")
     if variant == "cooperative":
-        return _forced_cooperative(numel, num_buckets, rows, limits, deterministic, out_entries,
-                                   fill_tail)
+        return _forced_cooperative(numel, num_buckets, rows, limits, deterministic, out_entries)
     fits = shared_fits(num_buckets, rows, limits)
     if variant == "shared" and not fits:
         raise ValueError(
@@ -191,8 +189,7 @@ def choose_launch(numel: int, num_buckets: int, rows: int, limits: DeviceLimits,
     chosen = variant or ("shared" if fits else "global")
     coop = None
     if variant is None:
-        coop = _cooperative(numel, num_buckets, rows, limits, out_entries, deterministic,
-                            fill_tail)
+        coop = _cooperative(numel, num_buckets, rows, limits, out_entries, deterministic)
         if coop is not None and out_entries > COOP_OVER_SINGLE_ENTRIES:
             return coop
     if chosen == "shared" and allow_single:
@@ -245,9 +242,8 @@ def choose_launch(numel: int, num_buckets: int, rows: int, limits: DeviceLimits,
                   smem_place=place, starts_in_smem=copy)
 
 
-def _forced_cooperative(numel, num_buckets, rows, limits, deterministic, out_entries,
-                        fill_tail=True):
-    coop = _cooperative(numel, num_buckets, rows, limits, out_entries, deterministic, fill_tail)
+def _forced_cooperative(numel, num_buckets, rows, limits, deterministic, out_entries):
+    coop = _cooperative(numel, num_buckets, rows, limits, out_entries, deterministic)
     if coop is None:
         if not limits.cooperative:
             why = "this device or CuPy cannot issue cooperative launches"
@@ -289,7 +285,7 @@ class CooperativePair:
 
 def choose_cooperative_pair(numel: int, base_buckets: int, lora_buckets: int, rows: int,
                             limits: DeviceLimits, *, base_entries: int = 0,
-                            lora_entries: int = 0, fill_tail: bool = True):
+                            lora_entries: int = 0):
     """Both alignments in one cooperative launch, the SMs split between them, or ``None``
     where either side cannot run in its share. The base side gets enough blocks for about
     four routes a thread (it has little to fill), at most half the SMs; LoRA the rest (its
@@ -303,7 +299,7 @@ def choose_cooperative_pair(numel: int, base_buckets: int, lora_buckets: int, ro
                                    (limits.sm_count - base_blocks, lora_buckets, rows,
                                     lora_entries)):
         side = _cooperative(numel, nb, r, DeviceLimits(blocks, limits.smem_optin, True),
-                            entries, fill_tail=fill_tail)
+                            entries)
         if side is None:
             return None
         sides.append(side)

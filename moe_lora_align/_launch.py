@@ -428,8 +428,7 @@ def choose_streams(base: Job, lora: Job, device_id: int, streams=None, variant=N
     if pair is None and variant in (None, "cooperative") and not base.deterministic:
         pair = _dispatch.choose_cooperative_pair(
             base.numel, base.num_buckets, lora.num_buckets, lora.rows, limits,
-            base_entries=out_entries(base), lora_entries=out_entries(lora),
-            fill_tail=lora.fill_tail)
+            base_entries=out_entries(base), lora_entries=out_entries(lora))
     if streams == "fused" and pair is None:
         raise ValueError("streams='fused' needs both alignments in one launch: one block "
                          f"each (at most {_dispatch.SINGLE_BLOCK_MAX_ROUTES} routes and a "

@@ -253,14 +253,15 @@ def test_decode_with_a_large_fill_prefers_the_cooperative_launch():
 
 
 def test_without_tail_fill_the_kernels_keep_raw_counts():
-    """fill_tail=False: the single-block and cooperative kernels keep the raw counts beside
-    the segment starts (4 more bytes a bucket), so their shared memory grows by exactly that."""
-    for numel, buckets, rows in ((8, 64, 1), (2048, 16 * 256, 16), (65536 * 8, 256, 1)):
+    """fill_tail=False: the single-block kernel keeps the raw counts beside the segment
+    starts (4 more bytes a bucket); the cooperative kernel reads them from global memory."""
+    for numel, buckets, rows, extra in ((8, 64, 1, 4 * 64), (2048, 16 * 256, 16, 4 * 16 * 256),
+                                        (65536 * 8, 256, 1, 0)):
         with_tail = d.choose_launch(numel, buckets, rows, H200)
         without = d.choose_launch(numel, buckets, rows, H200, fill_tail=False)
         assert without.kind == with_tail.kind
         smem = lambda lc: lc.smem_single or lc.smem_place  # noqa: E731
-        assert smem(without) == smem(with_tail) + 4 * buckets
+        assert smem(without) == smem(with_tail) + extra
     pair = d.choose_pair(8, 64, 4 * 64, 4, H200)
     assert d.choose_pair(8, 64, 4 * 64, 4, H200, fill_tail=False).smem_single == \
         pair.smem_single + 4 * 4 * 64
