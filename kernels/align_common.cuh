@@ -54,9 +54,7 @@ struct Problem {
   int tiles_shift;
   int count_stride;             // cooperative kernel: entries between its two count buffers
   int coop_blocks;              // cooperative kernels: blocks aligning this problem
-  int fill_tail;                // 0: no row is written past its total, only the padding inside
-                                //   segments (single-block and cooperative kernels; the host
-                                //   packs 1 for the others)
+  int reserved_;                // keeps the size a multiple of 8 bytes
 };
 
 // Stage timestamps for scripts/stage_probe.py, compiled in only with -DMLA_PROBE: thread 0 of
@@ -127,12 +125,6 @@ __device__ void mark_processed_rows(const Problem& p, unsigned char* processed) 
 
 __device__ __forceinline__ bool row_written(const Problem& p, const unsigned char* processed, int r) {
   return processed[r] || p.fill_unprocessed;
-}
-
-// Rows the up-front sentinel fill covers: every written row, or none without the tail fill
-// (then fill_gaps writes the padding inside segments and nothing past a row's total is written).
-__device__ __forceinline__ bool row_prefilled(const Problem& p, const unsigned char* processed, int r) {
-  return p.fill_tail && row_written(p, processed, r);
 }
 
 // A route as loaded from global memory: its id and its token's slot. Loading every route of
@@ -221,7 +213,7 @@ __device__ __forceinline__ int claim_in_lane_order(unsigned short* counter, int 
   return base + __popc(peers & lanemask_lt());
 }
 
-// Fill rows [rows, pitch] of `base` with `value` in [0, len), skipping rows not prefilled.
+// Fill rows [rows, pitch] of `base` with `value` in [0, len), skipping rows not written.
 // 16-byte stores where alignment allows; never touches [len, pitch). Row r starts at thread
 // r * units mod nthreads, so the rows spread over all threads (all blocks) as one flat range
 // would: starting every row at thread 0 left most blocks idle and each SM's store queue
@@ -233,7 +225,7 @@ __device__ void fill_rows(const Problem& p, const unsigned char* processed, int*
   const int4 v = make_int4(value, value, value, value);
   int offset = 0;
   for (int r = 0; r < p.rows; ++r) {
-    if (row_prefilled(p, processed, r)) {
+    if (row_written(p, processed, r)) {
       int* row = base + (long long)r * pitch;
       int k = tid - offset;
       if (k < 0) k += nthreads;
@@ -316,17 +308,14 @@ __device__ void write_expert_ids(const Problem& p, const unsigned char* processe
     const int r = fast_div(k, p.tiles_magic, p.tiles_shift), t = k - r * M;
     if (!row_written(p, processed, r)) continue;
     int value = -1;
-    bool inside = false;  // a tile of the row's segments (else past its total)
     if (processed[r]) {
       const int row_base = starts[r * E];
       const long long pos = (long long)t * p.block_size;
-      inside = pos < (long long)(starts[r * E + E] - row_base);
-      if (inside) {
+      if (pos < (long long)(starts[r * E + E] - row_base)) {
         value = owning_bucket(starts, r * E, r * E + E, row_base + (int)pos) - r * E;
         if (p.map_mode == 2) value = p.expert_map[value];
       }
     }
-    if (!inside && !p.fill_tail) continue;
     p.expert_ids[(long long)r * p.expert_pitch + t] = value;
   }
 }
@@ -347,30 +336,4 @@ __device__ __forceinline__ int row_of(const Problem& p, int bucket) {
 __device__ __forceinline__ long long output_index(const Problem& p, const int* starts, int bucket, int rank) {
   const int r = row_of(p, bucket);
   return (long long)r * p.sorted_pitch + (starts[bucket] - starts[r * p.num_experts]) + rank;
-}
-
-// Without the tail fill: the sentinel into the padding of each segment, [start + count, end).
-// Warps take groups of 32 buckets (group first, first + step, ...): each lane reads one
-// bucket's count, then the warp writes each padded bucket's gap with consecutive lanes, so
-// the stores coalesce (one thread per bucket would issue a transaction per entry).
-template <typename CountFn>
-__device__ __forceinline__ void fill_gaps(const Problem& p, CountFn count, const int* starts, int first, int step) {
-  if (p.fill_tail) return;
-  const int E = p.num_experts, nb = num_buckets(p), lane = threadIdx.x & 31;
-  for (int b0 = first * 32; b0 < nb; b0 += step * 32) {
-    const int b = b0 + lane;
-    int gap = 0;
-    long long at = 0;
-    if (b < nb) {
-      const int c = count(b), r = row_of(p, b);
-      gap = starts[b + 1] - starts[b] - c;  // 0 for full tiles and for empty buckets
-      at = (long long)r * p.sorted_pitch + (starts[b] - starts[r * E]) + c;
-    }
-    for (unsigned todo = __ballot_sync(MLA_FULL_MASK, gap > 0); todo != 0; todo &= todo - 1) {
-      const int src = __ffs(todo) - 1;
-      const int g = __shfl_sync(MLA_FULL_MASK, gap, src);
-      const long long a = __shfl_sync(MLA_FULL_MASK, at, src);
-      for (int k = lane; k < g; k += 32) p.sorted_ids[a + k] = p.numel;
-    }
-  }
 }

@@ -39,8 +39,7 @@ __device__ __forceinline__ void for_routes(const Problem& p, int first, int step
 // ---------------------------------------------------------------------------------------------
 // Single block: count, scan, place and fill in one launch (decode sizes).
 // After the row region: starts[nb + 1] ints | DET: warp_counts[nwarps * stride] ushort,
-// stride = nb rounded up to even (4-byte aligned rows) | without the tail fill:
-// bucket_counts[nb] ints (the raw counts, kept for fill_gaps; else they are scanned in place).
+// stride = nb rounded up to even (4-byte aligned rows).
 // `stamp_as`: the probe's kernel slot for this pass (scripts/decode_experiment.py runs it twice).
 template <typename IdT, bool DET>
 __device__ void align_in_one_block(const Problem& p, int stamp_as = 0) {
@@ -50,8 +49,6 @@ __device__ void align_in_one_block(const Problem& p, int stamp_as = 0) {
   unsigned char* processed = dynamic_smem;
   int* starts = reinterpret_cast<int*>(dynamic_smem + row_region_bytes(p.rows));
   unsigned short* warp_counts = reinterpret_cast<unsigned short*>(starts + nb + 1);
-  int* bucket_counts = p.fill_tail ? starts
-                       : reinterpret_cast<int*>(warp_counts + (DET ? nwarps * stride : 0));
   MLA_STAMP(stamp_as, 0);
 
   // Non-deterministic: thread t owns routes t, t + blockDim, ...; deterministic: warp w owns
@@ -64,7 +61,7 @@ __device__ void align_in_one_block(const Problem& p, int stamp_as = 0) {
     for (int j = 0; j < ITEMS_PER_THREAD; ++j)
       route[j] = load_route<IdT>(p, j * blockDim.x + threadIdx.x, p.numel);
   }
-  for (int b = threadIdx.x; b < nb; b += blockDim.x) bucket_counts[b] = 0;
+  for (int b = threadIdx.x; b < nb; b += blockDim.x) starts[b] = 0;
   if (DET)
     for (int k = threadIdx.x; k < nwarps * stride; k += blockDim.x) warp_counts[k] = 0;
   mark_processed_rows(p, processed);
@@ -78,11 +75,11 @@ __device__ void align_in_one_block(const Problem& p, int stamp_as = 0) {
       const int i = j * blockDim.x + threadIdx.x;
       bucket[j] = bucket_of(p, route[j], processed);
       if (p.scatter_idx != nullptr && i < p.numel) p.scatter_idx[i] = bucket[j] >= 0 ? i : -1;
-      rank[j] = claim(bucket_counts, bucket[j]);
+      rank[j] = claim(starts, bucket[j]);
     }
     __syncthreads();
     MLA_STAMP(stamp_as, 2);
-    scan_padded_counts(p, nb, [&](int b) { return bucket_counts[b]; }, starts, warp_sums);
+    scan_padded_counts(p, nb, [&](int b) { return starts[b]; }, starts, warp_sums);
     MLA_STAMP(stamp_as, 3);
 #pragma unroll
     for (int j = 0; j < ITEMS_PER_THREAD; ++j)
@@ -104,17 +101,16 @@ __device__ void align_in_one_block(const Problem& p, int stamp_as = 0) {
         warp_counts[w * stride + b] = (unsigned short)run;
         run += c;
       }
-      bucket_counts[b] = run;
+      starts[b] = run;
     }
     __syncthreads();
-    scan_padded_counts(p, nb, [&](int b) { return bucket_counts[b]; }, starts, warp_sums);
+    scan_padded_counts(p, nb, [&](int b) { return starts[b]; }, starts, warp_sums);
     for_routes<IdT>(p, lo + lane, 32, hi, [&](int i, Route r) {
       const int b = bucket_of(p, r, processed);
       const int rank = claim_in_lane_order(mine, b);
       if (b >= 0) p.sorted_ids[output_index(p, starts, b, rank)] = i;
     });
   }
-  fill_gaps(p, [&](int b) { return bucket_counts[b]; }, starts, warp, nwarps);
   write_expert_ids(p, processed, starts, threadIdx.x, blockDim.x);
   write_totals(p, processed, starts);
 #ifdef MLA_PROBE
@@ -412,7 +408,6 @@ __global__ void align_place(const Problem p) {
 //   [0] parity of the next call, [1 + q] dirty extent of buffer q, [4 + q] barrier arrivals
 // (the first four are read in one load).
 // After the row region: hist[nb + 1] | adj[nb] | starts[nb + 1] | value[chunk] | bucket_of_k[chunk]
-// | DET: warp_counts[32 * stride] ushort
 #define COOP_ITEMS 8    // routes per thread, at most: chunk <= COOP_ITEMS * blockDim.x
 #define COOP_RESERVE 4  // bucket reservations a thread has in flight at once
 
@@ -613,10 +608,6 @@ __device__ __forceinline__ void align_cooperatively(const Problem& p, int block,
   MLA_STAMP(3, 5);
   for (int k = threadIdx.x; k < hist[nb]; k += blockDim.x)
     p.sorted_ids[adj[bucket_of_k[k]] + k] = value[k];
-  // Bucket groups go round the blocks first, so the gaps leave through every SM. The raw
-  // totals are read again from the count buffer (the next call zeroes it).
-  fill_gaps(p, [&](int b) { return __ldcg(counts + b); }, starts, warp * blocks + block,
-            blocks * nwarps);
   write_expert_ids(p, processed, starts, tid, nthreads);
 #ifdef MLA_PROBE
   __syncthreads();
@@ -625,14 +616,14 @@ __device__ __forceinline__ void align_cooperatively(const Problem& p, int block,
 }
 
 template <typename IdT, bool DET>
-__global__ void __launch_bounds__(1024, 1) align_cooperative(const Problem p) {
+__global__ void __launch_bounds__(1024) align_cooperative(const Problem p) {
   align_cooperatively<IdT, DET>(p, blockIdx.x, gridDim.x);
 }
 
 // Base and LoRA alignment in one cooperative launch: the first `first.coop_blocks` blocks
 // align `first`, the rest `second`; each side has its own scratch and barrier.
 template <typename IdT>
-__global__ void __launch_bounds__(1024, 1) align_cooperative_pair(const Problem first,
+__global__ void __launch_bounds__(1024) align_cooperative_pair(const Problem first,
                                                                const Problem second) {
   const int split = first.coop_blocks;
   if ((int)blockIdx.x < split) align_cooperatively<IdT, false>(first, blockIdx.x, split);

@@ -103,19 +103,10 @@ def single_block_threads(numel: int, out_entries: int, num_buckets: int = 0) -> 
     return BLOCK
 
 
-def tail_bytes(num_buckets: int, fill_tail: bool) -> int:
-    """Shared bytes the single-block kernel adds without the tail fill: the raw counts, kept
-    beside the segment starts for the padding inside segments (the cooperative kernel reads
-    them again from its global count buffer)."""
-    return 0 if fill_tail else 4 * num_buckets
-
-
-def _single_block(numel, num_buckets, rows, deterministic, limits, out_entries=0,
-                  fill_tail=True):
+def _single_block(numel, num_buckets, rows, deterministic, limits, out_entries=0):
     if numel > SINGLE_BLOCK_MAX_ROUTES:
         return None
-    base = (4 * (num_buckets + 1) + row_region_bytes(rows) + SMEM_SLACK
-            + tail_bytes(num_buckets, fill_tail))
+    base = 4 * (num_buckets + 1) + row_region_bytes(rows) + SMEM_SLACK
     block = single_block_threads(numel, out_entries, num_buckets)
     if not deterministic:
         if base > limits.smem_optin:
@@ -161,14 +152,11 @@ def _cooperative(numel, num_buckets, rows, limits, out_entries, deterministic=Fa
 
 def choose_launch(numel: int, num_buckets: int, rows: int, limits: DeviceLimits, *,
                   deterministic: bool = False, variant: str | None = None,
-                  allow_single: bool = True, out_entries: int = 0,
-                  fill_tail: bool = True) -> Launch:
+                  allow_single: bool = True, out_entries: int = 0) -> Launch:
     """Pick the variant and launch geometry of one alignment.
 
     ``num_buckets`` is ``rows * num_experts``; ``out_entries`` the output entries written
-    (``rows * (P + M)``, or fewer without the tail fill), which sizes the single block and
-    the fill's share of blocks. ``fill_tail=False``: the single-block and cooperative kernels
-    write nothing past each row's total (count + place still fill it, which is allowed).
+    (``rows * (P + M)``), which sizes the single block and the fill's share of blocks.
     ``variant`` forces a kernel family: "shared" (one block, else count + place with shared
     histograms), "global" (count + place, global counters) or "cooperative" (one launch of
     resident blocks); forcing one that cannot run these sizes raises ``ValueError``. Left to
@@ -193,8 +181,7 @@ def choose_launch(numel: int, num_buckets: int, rows: int, limits: DeviceLimits,
         if coop is not None and out_entries > COOP_OVER_SINGLE_ENTRIES:
             return coop
     if chosen == "shared" and allow_single:
-        single = _single_block(numel, num_buckets, rows, deterministic, limits, out_entries,
-                               fill_tail)
+        single = _single_block(numel, num_buckets, rows, deterministic, limits, out_entries)
         if single is not None:
             return single
     if coop is not None:
@@ -308,7 +295,7 @@ def choose_cooperative_pair(numel: int, base_buckets: int, lora_buckets: int, ro
 
 def choose_pair(numel: int, base_buckets: int, lora_buckets: int, rows: int,
                 limits: DeviceLimits, *, deterministic: bool = False, out_entries: int = 0,
-                prefer_cooperative: bool = False, fill_tail: bool = True):
+                prefer_cooperative: bool = False):
     """The fused single launch for base + LoRA, or ``None`` when either side needs more
     (or, with ``prefer_cooperative``, the LoRA side writes so much that one block for it
     loses to the cooperative pair). ``out_entries``: output entries of the LoRA side."""
@@ -316,18 +303,16 @@ def choose_pair(numel: int, base_buckets: int, lora_buckets: int, rows: int,
             and out_entries > COOP_OVER_SINGLE_ENTRIES):
         return None
     base = _single_block(numel, base_buckets, 1, deterministic, limits,
-                         out_entries // max(rows, 1), fill_tail)
-    lora = _single_block(numel, lora_buckets, rows, deterministic, limits, out_entries,
-                         fill_tail)
+                         out_entries // max(rows, 1))
+    lora = _single_block(numel, lora_buckets, rows, deterministic, limits, out_entries)
     if base is None or lora is None:
         return None
     block = lora.block if not deterministic else min(base.block, lora.block)
     warps = block // 32
     even = lambda n: n + (n & 1)  # noqa: E731  (per-warp counter rows are 4-byte aligned)
-    smem = max(4 * (base_buckets + 1) + row_region_bytes(1) + tail_bytes(base_buckets, fill_tail)
+    smem = max(4 * (base_buckets + 1) + row_region_bytes(1)
                + (2 * warps * even(base_buckets) if deterministic else 0),
                4 * (lora_buckets + 1) + row_region_bytes(rows)
-               + tail_bytes(lora_buckets, fill_tail)
                + (2 * warps * even(lora_buckets) if deterministic else 0))
     return Launch("shared", "single", deterministic, block, grid=2,
                   smem_single=smem + SMEM_SLACK)

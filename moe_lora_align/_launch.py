@@ -29,7 +29,7 @@ _MAGICS = tuple(x for d in _DIVISORS for x in ((d + "_magic", np.uint32), (d + "
 # Mirrors kernels/align_common.cuh: struct Problem.
 PROBLEM_DTYPE = np.dtype([(n, np.uint64) for n in _POINTERS] + [(n, np.int32) for n in _INTS]
                          + list(_MAGICS) + [("count_stride", np.int32), ("coop_blocks", np.int32),
-                            ("fill_tail", np.int32)], align=True)
+                            ("reserved_", np.int32)], align=True)
 
 MAP_NONE, MAP_BEFORE, MAP_AFTER = 0, 1, 2
 
@@ -105,8 +105,6 @@ class Job:
     scatter_idx: object = None
     fill_unprocessed: bool = False
     deterministic: bool = False
-    fill_tail: bool = True      # False: nothing past a row's total is written (where the
-                                #   kernel can skip it: one block, cooperative)
     result: object = None       # AlignPlan: the cached result views of this job
     packed: object = None       # the packed kernel argument (uint8 array) and what it was
     packed_key: object = None   #   packed for
@@ -151,7 +149,7 @@ def pack(job: Job, launch: _dispatch.Launch, ws: Workspace) -> None:
     """Pack the kernels' ``Problem`` argument of one job into ``job.packed``. A job reused
     with the same launch and workspace (AlignPlan) keeps its packed bytes and only rewrites
     the input pointers."""
-    key = (launch, id(ws), ws.generation, job.map_mode, job.fill_tail,
+    key = (launch, id(ws), ws.generation, job.map_mode,
            0 if job.lora_ids is None else int(job.lora_ids.shape[0]))
     if job.packed is not None and job.packed_key == key:
         set_input_pointers(job.packed, _ptr(job.topk_ids), _ptr(job.token_slot),
@@ -171,7 +169,7 @@ def pack(job: Job, launch: _dispatch.Launch, ws: Workspace) -> None:
         int(launch.starts_in_smem), int(launch.stage_output), *division_magic(max(job.topk, 1)),
         *division_magic(job.block_size), *division_magic(job.num_experts),
         *division_magic(max(job.num_tiles, 1)), ws.buckets if coop else 0,
-        launch.grid if coop else 0, int(job.fill_tail or launch.kind == "multi"))
+        launch.grid if coop else 0, 0)
     job.packed, job.packed_key = np.frombuffer(bytearray(raw), dtype=np.uint8), key
     job.params = np.array([job.packed.ctypes.data], dtype=np.uint64)
     job.params_addr = job.params.ctypes.data
@@ -275,24 +273,12 @@ def launch_kernel(ks, key, grid: int, block: int, smem: int, stream, *jobs,
 def plan_launch(job: Job, device_id: int, variant=None) -> _dispatch.Launch:
     return _dispatch.choose_launch(job.numel, job.num_buckets, job.rows,
                                    device_limits(device_id), deterministic=job.deterministic,
-                                   variant=variant, out_entries=out_entries(job),
-                                   fill_tail=job.fill_tail)
+                                   variant=variant, out_entries=out_entries(job))
 
 
 def out_entries(job: Job) -> int:
-    """Output entries one alignment writes (see ``entries_written``)."""
-    return entries_written(job.rows, job.numel, job.num_experts, job.block_size,
-                           job.padded_len, job.num_tiles, job.fill_tail)
-
-
-def entries_written(rows, numel, num_experts, block_size, padded_len, num_tiles, fill_tail):
-    """Every row's sorted ids and tile ids, or without the tail fill at most what the rows'
-    totals can reach (each route is in one row, each non-empty bucket pads at most B - 1)."""
-    full = rows * (padded_len + num_tiles)
-    if fill_tail:
-        return full
-    reach = numel + min(numel, rows * num_experts) * (block_size - 1)
-    return min(full, reach + _dispatch._ceil_div(reach, block_size))
+    """Output entries one alignment writes: every row's sorted ids and tile ids."""
+    return job.rows * (job.padded_len + job.num_tiles)
 
 
 def workspace_needs(launch: _dispatch.Launch, num_buckets: int):
@@ -423,8 +409,7 @@ def choose_streams(base: Job, lora: Job, device_id: int, streams=None, variant=N
         pair = _dispatch.choose_pair(base.numel, base.num_buckets, lora.num_buckets, lora.rows,
                                      limits, deterministic=base.deterministic,
                                      out_entries=out_entries(lora),
-                                     prefer_cooperative=variant is None,
-                                     fill_tail=lora.fill_tail)
+                                     prefer_cooperative=variant is None)
     if pair is None and variant in (None, "cooperative") and not base.deterministic:
         pair = _dispatch.choose_cooperative_pair(
             base.numel, base.num_buckets, lora.num_buckets, lora.rows, limits,

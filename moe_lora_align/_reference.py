@@ -48,13 +48,11 @@ def route_buckets(flat_ids, num_experts, expert_map=None, map_before=False,
 
 
 def align_rows(flat_ids, num_experts, block_size, sorted_ids, expert_ids, num_post_pad, *,
-               expert_map=None, map_before=False, route_rows=None, processed=None,
-               fill_tail=True):
+               expert_map=None, map_before=False, route_rows=None, processed=None):
     """Write the alignment of every processed row into the 2-D output views.
 
     ``sorted_ids[rows, >=P]``, ``expert_ids[rows, >=M]`` and ``num_post_pad[rows]`` are written
     in the first ``P``/``M`` columns of processed rows only; other rows are left untouched.
-    ``fill_tail=False``: nothing past a row's total is written either.
     Routes are placed in ascending flat index (the deterministic order). Returns the mask of
     kept routes.
     """
@@ -93,12 +91,8 @@ def align_rows(flat_ids, num_experts, block_size, sorted_ids, expert_ids, num_po
         tile_expert = np.asarray(expert_map, dtype=np.int64)[tile_expert]
 
     sel = np.flatnonzero(processed)
-    if fill_tail:
-        sorted_ids[sel, :P] = numel
-        expert_ids[sel, :M] = -1
-    else:  # the padding inside segments only
-        head = np.arange(P)[None, :] < totals[sel][:, None]
-        sorted_ids[sel] = np.where(head, numel, sorted_ids[sel])
+    sorted_ids[sel, :P] = numel
+    expert_ids[sel, :M] = -1
     sorted_ids[route_row, position] = kept
     expert_ids[tile_row, tile_index] = tile_expert
     num_post_pad[sel] = totals[sel]

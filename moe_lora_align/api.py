@@ -64,7 +64,7 @@ def _alloc(where, device_id, shape):
 def _prepare(topk_ids, block_size, num_experts, *, rows, token_lora_mapping=None,
              lora_ids=None, adapter_enabled=None, expert_map=None, map_mode=MAP_NONE,
              pad_sorted_ids=False, scatter=False, deterministic=False, out=None,
-             validate=None, lora=False, stream=None, fill_tail=True):
+             validate=None, lora=False, stream=None):
     block_size = _checks.positive_int("block_size", block_size)
     num_experts = _checks.positive_int("num_experts", num_experts)
     names = ("sorted_token_ids", "expert_ids", "num_tokens_post_pad") + (
@@ -138,7 +138,7 @@ def _prepare(topk_ids, block_size, num_experts, *, rows, token_lora_mapping=None
               expert_map=native["expert_map"], token_slot=native["token_lora_mapping"],
               lora_ids=native["lora_ids"], adapter_enabled=native["adapter_enabled"],
               scatter_idx=given[3] if scatter else None, fill_unprocessed=fill_unprocessed,
-              deterministic=bool(deterministic), fill_tail=bool(fill_tail))
+              deterministic=bool(deterministic))
     results = tuple(outs) if out is not None else tuple(given)
     return _Call(where, framework, device_id, job, results)
 
@@ -161,12 +161,11 @@ def run_on_host(job: Job):
         route_rows = np.repeat(np.asarray(job.token_slot, dtype=np.int64), job.topk)
     kept = align_rows(job.topk_ids, job.num_experts, job.block_size, sorted_v, expert_v, ntpp,
                       expert_map=job.expert_map, map_before=job.map_mode == MAP_BEFORE,
-                      route_rows=route_rows, processed=processed, fill_tail=job.fill_tail)
+                      route_rows=route_rows, processed=processed)
     if job.fill_unprocessed and processed is not None:
         idle = np.flatnonzero(~processed)
-        if job.fill_tail:
-            sorted_v[idle] = job.numel
-            expert_v[idle] = -1
+        sorted_v[idle] = job.numel
+        expert_v[idle] = -1
         ntpp[idle] = 0
     if job.scatter_idx is not None:
         job.scatter_idx.reshape(-1)[: job.numel] = np.where(
@@ -205,7 +204,7 @@ def _map_mode(expert_map, ignore_invalid_experts):
 def moe_align_block_size(topk_ids, block_size, num_experts, expert_map=None, *,
                          pad_sorted_ids=False, ignore_invalid_experts=False,
                          return_scatter_idx=False, deterministic=False, out=None,
-                         variant=None, stream=None, validate=None, fill_tail=True):
+                         variant=None, stream=None, validate=None):
     """Group the routes of ``topk_ids`` by expert, padded to tiles of ``block_size``.
 
     Args:
@@ -230,12 +229,6 @@ def moe_align_block_size(topk_ids, block_size, num_experts, expert_map=None, *,
             framework stream); default: the current stream of the input's framework.
         validate: check values (``expert_map`` range); default on for host arrays, off for
             device arrays (it costs a device sync).
-        fill_tail: write the sentinel into ``sorted_token_ids[num_tokens_post_pad:P]`` and -1
-            into ``expert_ids[num_tokens_post_pad // B:M]`` (the default). ``False`` skips
-            them: those entries are unspecified (a fused MoE GEMM reads only the first
-            ``num_tokens_post_pad`` entries and tiles, so it need not pay for writing them;
-            the padding inside segments is always written). Off by default because callers
-            that scan the whole buffer would read stale values.
 
     Returns:
         ``Alignment(sorted_token_ids, expert_ids, num_tokens_post_pad)`` (or
@@ -245,8 +238,7 @@ def moe_align_block_size(topk_ids, block_size, num_experts, expert_map=None, *,
     call = _prepare(topk_ids, block_size, num_experts, rows=1, expert_map=expert_map,
                     map_mode=_map_mode(expert_map, ignore_invalid_experts),
                     pad_sorted_ids=pad_sorted_ids, scatter=return_scatter_idx,
-                    deterministic=deterministic, out=out, validate=validate, stream=stream,
-                    fill_tail=fill_tail)
+                    deterministic=deterministic, out=out, validate=validate, stream=stream)
     res = _execute(call, variant, stream)
     return AlignmentWithScatter(*res) if return_scatter_idx else Alignment(*res)
 
@@ -254,7 +246,7 @@ def moe_align_block_size(topk_ids, block_size, num_experts, expert_map=None, *,
 def moe_lora_align_block_size(topk_ids, token_lora_mapping, block_size, num_experts, max_loras,
                               *, lora_ids=None, adapter_enabled=None, expert_map=None,
                               pad_sorted_ids=False, deterministic=False, out=None,
-                              variant=None, stream=None, validate=None, fill_tail=True):
+                              variant=None, stream=None, validate=None):
     """Align the routes of every LoRA adapter slot on its own, one output row per slot.
 
     Row ``L`` is exactly the base alignment of the routes of the tokens with
@@ -274,10 +266,9 @@ def moe_lora_align_block_size(topk_ids, token_lora_mapping, block_size, num_expe
             >=P]`` (or flat ``>= max_loras*P``), ``[max_loras, >=M]``, ``[>= max_loras]``.
             Rows of slots that are not processed are left exactly as they were. Without
             ``out``, such rows read as the empty alignment (0, all -1, all ``numel``).
-        variant, stream, validate, deterministic, pad_sorted_ids, fill_tail: as for
+        variant, stream, validate, deterministic, pad_sorted_ids: as for
             ``moe_align_block_size``; validation also checks ``token_lora_mapping`` and
-            ``lora_ids`` values. With ``fill_tail=False`` every row, processed or not, is
-            unspecified past its total (allocated rows of unprocessed slots: total 0).
+            ``lora_ids`` values.
 
     Returns:
         ``LoraAlignment(sorted_token_ids, expert_ids, num_tokens_post_pad)``.
@@ -288,7 +279,7 @@ def moe_lora_align_block_size(topk_ids, token_lora_mapping, block_size, num_expe
                     adapter_enabled=adapter_enabled, expert_map=expert_map,
                     map_mode=MAP_NONE if expert_map is None else MAP_BEFORE,
                     pad_sorted_ids=pad_sorted_ids, deterministic=deterministic, out=out,
-                    validate=validate, lora=True, stream=stream, fill_tail=fill_tail)
+                    validate=validate, lora=True, stream=stream)
     return LoraAlignment(*_execute(call, variant, stream))
 
 
@@ -296,13 +287,12 @@ def align_moe_and_lora(topk_ids, token_lora_mapping, block_size, num_experts, ma
                        lora_ids=None, adapter_enabled=None, expert_map=None,
                        ignore_invalid_experts=False, pad_sorted_ids=False, deterministic=False,
                        out_base=None, out_lora=None, streams=None, variant=None, stream=None,
-                       validate=None, fill_tail=True):
+                       validate=None):
     """Base and LoRA alignment of one batch at once; returns ``(Alignment, LoraAlignment)``.
 
     The arguments are those of ``moe_align_block_size`` (base: ``expert_map`` with
     ``ignore_invalid_experts``) and ``moe_lora_align_block_size`` (LoRA: ``expert_map`` always
-    applied before counting); ``out_base``/``out_lora`` are their ``out=`` buffers;
-    ``fill_tail`` applies to both.
+    applied before counting); ``out_base``/``out_lora`` are their ``out=`` buffers.
 
     On the GPU, ``streams`` picks how the two run, ordered on the caller's stream:
     ``"fused"`` one launch that computes both (one block each at decode sizes, else one
@@ -315,13 +305,13 @@ def align_moe_and_lora(topk_ids, token_lora_mapping, block_size, num_experts, ma
     base = _prepare(topk_ids, block_size, num_experts, rows=1, expert_map=expert_map,
                     map_mode=_map_mode(expert_map, ignore_invalid_experts),
                     pad_sorted_ids=pad_sorted_ids, deterministic=deterministic, out=out_base,
-                    validate=validate, stream=stream, fill_tail=fill_tail)
+                    validate=validate, stream=stream)
     lora = _prepare(topk_ids, block_size, num_experts, rows=max_loras,
                     token_lora_mapping=token_lora_mapping, lora_ids=lora_ids,
                     adapter_enabled=adapter_enabled, expert_map=expert_map,
                     map_mode=MAP_NONE if expert_map is None else MAP_BEFORE,
                     pad_sorted_ids=pad_sorted_ids, deterministic=deterministic, out=out_lora,
-                    validate=validate, lora=True, stream=stream, fill_tail=fill_tail)
+                    validate=validate, lora=True, stream=stream)
     if base.where == _interop.HOST:
         if streams is not None and streams not in ("fused", "one", "two"):
             raise ValueError(f"streams must be 'fused', 'one', 'two' or None, got {streams!r}")

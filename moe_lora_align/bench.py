@@ -146,21 +146,16 @@ def cupy_baseline(ids, E, B, mapping=None, L=1):
 
 
 # ---- one row --------------------------------------------------------------------------------
-def check_against_numpy(res, ref, starts_fn, block_size=None):
-    """Compare a GPU result (free order inside segments) with the NumPy backend's; with
-    ``block_size`` (a ``fill_tail=False`` run) only up to each row's total."""
+def check_against_numpy(res, ref, starts_fn):
+    """Compare a GPU result (free order inside segments) with the NumPy backend's."""
     import cupy
 
     got = [cupy.asnumpy(x) for x in res]
+    for g, r in zip(got[1:], ref[1:]):
+        if not np.array_equal(g, r):
+            raise AssertionError("GPU result differs from the NumPy backend")
     s = starts_fn()
-    a, b = np.array(got[0]).reshape(s.shape[0], -1), np.array(ref[0]).reshape(s.shape[0], -1)
-    ga, rb = np.array(got[1]).reshape(s.shape[0], -1), np.array(ref[1]).reshape(s.shape[0], -1)
-    if block_size is not None:  # entries past the totals are unspecified
-        for r, t in enumerate(np.asarray(ref[2]).reshape(-1)):
-            a[r, t:] = b[r, t:] = -2
-            ga[r, t // block_size:] = rb[r, t // block_size:] = -2
-    if not (np.array_equal(ga, rb) and np.array_equal(got[2], ref[2])):
-        raise AssertionError("GPU result differs from the NumPy backend")
+    a, b = np.array(got[0]).reshape(s.shape[0], -1), np.asarray(ref[0]).reshape(s.shape[0], -1)
     for r in range(s.shape[0]):
         seg = np.searchsorted(s[r], np.arange(a.shape[1]), side="right")
         if not np.array_equal(a[r][np.lexsort((a[r], seg))], b[r][np.lexsort((b[r], seg))]):
@@ -219,12 +214,11 @@ def bench_single(row, kind, stream, quick):
         with stream:
             res = fn()
         stream.synchronize()
-        check_against_numpy(res, ref, starts, None if opts.get("fill_tail", True) else B)
+        check_against_numpy(res, ref, starts)
         return fn
 
     fn = runner()
     result["graph_us"] = graph_us(fn, stream)
-    result["notail_graph_us"] = graph_us(runner(fill_tail=False), stream)
     result["eager_us"] = eager_us(fn, stream)
     result["deterministic_graph_us"] = graph_us(runner(deterministic=True), stream)
     for variant in mla._dispatch.VARIANTS:
@@ -268,10 +262,9 @@ def bench_pair(T, E, K, B, L, stream):
         stream)
     ref_b = mla.moe_align_block_size(ids, B, E)
     ref_l = mla.moe_lora_align_block_size(ids, mapping, B, E, L, lora_ids=lora_ids)
-    for mode, tail in (("one", True), ("two", True), ("fused", True), (None, True),
-                       (None, False)):
+    for mode in ("one", "two", "fused", None):
         try:
-            plan = mla.AlignPlan(T, K, E, B, max_loras=L, streams=mode, fill_tail=tail)
+            plan = mla.AlignPlan(T, K, E, B, max_loras=L, streams=mode)
             fn = lambda: plan(d[0], d[1], lora_ids=d[2], adapter_enabled=d[3], stream=stream)  # noqa
             with stream:
                 b, lo = fn()
@@ -279,12 +272,11 @@ def bench_pair(T, E, K, B, L, stream):
         except ValueError:
             result[f"{mode}_graph_us"] = None
             continue
-        check_against_numpy(b, ref_b, lambda: _starts(ids, E, B), None if tail else B)
-        check_against_numpy(lo, ref_l, lambda: _starts(ids, E, B, L, mapping),
-                            None if tail else B)
-        key = (mode or "auto") + ("" if tail else "_notail")
+        check_against_numpy(b, ref_b, lambda: _starts(ids, E, B))
+        check_against_numpy(lo, ref_l, lambda: _starts(ids, E, B, L, mapping))
+        key = mode or "auto"
         result[f"{key}_graph_us"] = graph_us(fn, stream)
-        if mode is None and tail:
+        if mode is None:
             result["auto_eager_us"] = eager_us(fn, stream)
     result["floor_us"] = floor_us("pair", T, K, E, B, L, 1)
     return result
@@ -359,7 +351,7 @@ def fmt(x, width=8):
 def table(results):
     lines = []
     head = (f"{'op':5} {'T':>6} {'E':>5} {'K':>3} {'B':>4} {'L':>3} {'route':8} {'graph':>8} "
-            f"{'eager':>8} {'notail':>8} {'det':>8} {'shared':>8} {'global':>8} {'coop':>8} {'ref':>8} {'x ref':>7} "
+            f"{'eager':>8} {'det':>8} {'shared':>8} {'global':>8} {'coop':>8} {'ref':>8} {'x ref':>7} "
             f"{'cupy':>9} {'x cupy':>7} {'floor':>7}")
     lines.append(head)
     for r in results:
@@ -369,8 +361,7 @@ def table(results):
         lines.append(
             f"{r['op']:5} {r['tokens']:6d} {r['num_experts']:5d} {r['topk']:3d} "
             f"{r['block_size']:4d} {r.get('max_loras') or '':>3} {r['routing']:8} "
-            f"{fmt(r['graph_us'])} {fmt(r['eager_us'])} {fmt(r.get('notail_graph_us'))} "
-            f"{fmt(r.get('deterministic_graph_us'))} "
+            f"{fmt(r['graph_us'])} {fmt(r['eager_us'])} {fmt(r.get('deterministic_graph_us'))} "
             f"{fmt(r.get('shared_graph_us'))} {fmt(r.get('global_graph_us'))} "
             f"{fmt(r.get('cooperative_graph_us'))} {fmt(ref)} "
             f"{fmt(ref / r['graph_us'] if ref else None, 7)} {fmt(r['baseline_eager_us'], 9)} "
@@ -379,7 +370,7 @@ def table(results):
     if pairs:
         lines.append("")
         lines.append(f"{'pair':5} {'T':>6} {'E':>5} {'K':>3} {'B':>4} {'L':>3} {'base':>8} "
-                     f"{'lora':>8} {'one':>8} {'two':>8} {'fused':>8} {'auto':>8} {'notail':>8} "
+                     f"{'lora':>8} {'one':>8} {'two':>8} {'fused':>8} {'auto':>8} "
                      f"{'auto eager':>10} {'floor':>7}")
         for r in pairs:
             lines.append(
@@ -387,11 +378,9 @@ def table(results):
                 f"{r['block_size']:4d} {r['max_loras']:3d} {fmt(r['base_graph_us'])} "
                 f"{fmt(r['lora_graph_us'])} {fmt(r.get('one_graph_us'))} "
                 f"{fmt(r.get('two_graph_us'))} {fmt(r.get('fused_graph_us'))} "
-                f"{fmt(r.get('auto_graph_us'))} {fmt(r.get('auto_notail_graph_us'))} "
-                f"{fmt(r.get('auto_eager_us'), 10)} "
+                f"{fmt(r.get('auto_graph_us'))} {fmt(r.get('auto_eager_us'), 10)} "
                 f"{fmt(r['floor_us'], 7)}")
-    lines.append("graph/eager/notail/det/shared/global/coop/ref/floor: microseconds per call "
-                 "(notail: fill_tail=False, nothing written past the totals; coop: "
+    lines.append("graph/eager/det/shared/global/coop/ref/floor: microseconds per call (coop: "
                  "the cooperative variant); x ref: reference graph time over ours; cupy: "
                  "CuPy-library baseline, eager.")
     return "\n".join(lines)

@@ -14,7 +14,7 @@ from . import _checks, _interop
 from ._dispatch import choose_launch
 from ._kernels import kernels_for
 from ._launch import (MAP_AFTER, MAP_BEFORE, MAP_NONE, Job, Workspace, choose_streams,
-                      device_limits, entries_written, issue_both, launch_one, record_launches, replay_launches,
+                      device_limits, issue_both, launch_one, record_launches, replay_launches,
                       set_input_pointers, workspace_needs)
 from ._sizes import buffer_sizes
 from ._streams import side_streams
@@ -43,13 +43,12 @@ class AlignPlan:
         dtype: the ``topk_ids`` dtype every call uses (default int32).
         device: CUDA device id (default: the current device).
         ignore_invalid_experts: base alignment's expert-map mode (LoRA always maps before).
-        deterministic, variant, fill_tail: as for the public functions.
+        deterministic, variant: as for the public functions.
         streams: how base and LoRA run (``"fused"``, ``"one"``, ``"two"`` or ``None`` to
             let the dispatcher pick per size); see ``align_moe_and_lora``.
 
     Calling the plan returns views of its own buffers: the next call overwrites them. Rows of
-    LoRA slots that a call does not process read as the empty alignment (with
-    ``fill_tail=False``: their total is 0 and every entry past it is unspecified).
+    LoRA slots that a call does not process read as the empty alignment.
 
     A call with CuPy arrays whose shapes, strides, dtypes and devices match an earlier call's
     (and the same ``streams``) replays that call's launches: its checks passed for exactly
@@ -60,7 +59,7 @@ class AlignPlan:
     def __init__(self, max_tokens, topk, num_experts, block_size, *, max_loras=None,
                  dtype=np.int32, device=None, pad_sorted_ids=False,
                  ignore_invalid_experts=False, deterministic=False, variant=None,
-                 streams=None, fill_tail=True):
+                 streams=None):
         import cupy
 
         self.max_tokens = _checks.positive_int("max_tokens", max_tokens)
@@ -75,7 +74,6 @@ class AlignPlan:
         self.pad_sorted_ids = bool(pad_sorted_ids)
         self.ignore_invalid_experts = bool(ignore_invalid_experts)
         self.deterministic = bool(deterministic)
-        self.fill_tail = bool(fill_tail)
         self.variant, self.streams = variant, streams
         self._cupy_array = cupy.ndarray
         self._runtime = cupy.cuda.runtime
@@ -116,20 +114,15 @@ class AlignPlan:
         grown_from = self._generations()
         P, M = buffer_sizes(numel, self.num_experts, self.block_size, self.pad_sorted_ids)
         E = self.num_experts
-        def entries(rows):
-            return entries_written(rows, numel, E, self.block_size, P, M, self.fill_tail)
-
         base = choose_launch(numel, E, 1, self.limits, deterministic=self.deterministic,
-                             variant=self.variant, out_entries=entries(1),
-                             fill_tail=self.fill_tail)
+                             variant=self.variant, out_entries=P + M)
         self._base_ws.ensure(*workspace_needs(base, E))
         lora = None
         if self.max_loras is not None:
             nb = self.max_loras * E
             lora = choose_launch(numel, nb, self.max_loras, self.limits,
                                  deterministic=self.deterministic, variant=self.variant,
-                                 out_entries=entries(self.max_loras),
-                                 fill_tail=self.fill_tail)
+                                 out_entries=self.max_loras * (P + M))
             self._lora_ws.ensure(*workspace_needs(lora, nb))
         g = self._launches[numel] = (P, M, base, lora)
         if self._generations() != grown_from:
@@ -210,7 +203,7 @@ class AlignPlan:
         common = dict(topk_ids=None, numel=numel, topk=self.topk, num_experts=self.num_experts,
                       block_size=self.block_size, padded_len=P, num_tiles=M,
                       sorted_pitch=P, expert_pitch=M, fill_unprocessed=True,
-                      deterministic=self.deterministic, fill_tail=self.fill_tail)
+                      deterministic=self.deterministic)
         base = Job(rows=1, sorted_ids=s[:P], expert_ids=e[:M], num_post_pad=n, **common)
         base.result = Alignment(base.sorted_ids, base.expert_ids, base.num_post_pad)
         lora = None

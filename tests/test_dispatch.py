@@ -250,32 +250,3 @@ def test_decode_with_a_large_fill_prefers_the_cooperative_launch():
     assert d.choose_pair(2048, 256, 16 * 256, 16, H200, out_entries=entries,
                          prefer_cooperative=True) is None
     assert d.choose_pair(2048, 256, 16 * 256, 16, H200, out_entries=entries) is not None
-
-
-def test_without_tail_fill_the_kernels_keep_raw_counts():
-    """fill_tail=False: the single-block kernel keeps the raw counts beside the segment
-    starts (4 more bytes a bucket); the cooperative kernel reads them from global memory."""
-    for numel, buckets, rows, extra in ((8, 64, 1, 4 * 64), (2048, 16 * 256, 16, 4 * 16 * 256),
-                                        (65536 * 8, 256, 1, 0)):
-        with_tail = d.choose_launch(numel, buckets, rows, H200)
-        without = d.choose_launch(numel, buckets, rows, H200, fill_tail=False)
-        assert without.kind == with_tail.kind
-        smem = lambda lc: lc.smem_single or lc.smem_place  # noqa: E731
-        assert smem(without) == smem(with_tail) + extra
-    pair = d.choose_pair(8, 64, 4 * 64, 4, H200)
-    assert d.choose_pair(8, 64, 4 * 64, 4, H200, fill_tail=False).smem_single == \
-        pair.smem_single + 4 * 4 * 64
-
-
-def test_without_tail_fill_decode_lora_stays_in_one_block():
-    """The LoRA decode case whose full fill (16 rows of 3848 entries) sends it to the
-    cooperative launch writes at most a few thousand entries without the tail."""
-    from moe_lora_align._launch import entries_written
-
-    P, M = 256 * 8 + 256 * 15, (256 * 8 + 256 * 15) // 16
-    full = entries_written(16, 2048, 256, 16, P, M, True)
-    short = entries_written(16, 2048, 256, 16, P, M, False)
-    assert full == 16 * (P + M) and short == 2048 + 2048 * 15 + 2048
-    assert d.choose_launch(2048, 16 * 256, 16, H200, out_entries=full).kind == "cooperative"
-    assert d.choose_launch(2048, 16 * 256, 16, H200, out_entries=short,
-                           fill_tail=False).kind == "single"

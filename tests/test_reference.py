@@ -843,39 +843,3 @@ def test_torch_cpu_tensors():
     res = moe_align_block_size(torch.from_numpy(ids), 4, 10, deterministic=True, out=out)
     assert all(r is o for r, o in zip(res, out))
     np.testing.assert_array_equal(out[0].numpy(), base_np.sorted_token_ids)
-
-
-def test_worked_example_without_tail_fill():
-    """fill_tail=False: the padding inside segments is written, nothing past the total."""
-    out = [np.full(20, POISON, np.int32), np.full(5, POISON, np.int32), np.full(1, POISON, np.int32)]
-    moe_align_block_size(EX_BASE, 4, 4, out=out, fill_tail=False)
-    np.testing.assert_array_equal(out[0], [2, 8, 8, 8, 0, 3, 5, 8, 1, 4, 8, 8] + [POISON] * 8)
-    np.testing.assert_array_equal(out[1], [0, 1, 3, POISON, POISON])
-    np.testing.assert_array_equal(out[2], [12])
-
-
-def test_lora_without_tail_fill_heads_match_and_tails_stay():
-    rng = np.random.default_rng(5)
-    T, K, E, B, L = 40, 4, 16, 8, 4
-    ids = rng.integers(-2, E + 2, size=(T, K)).astype(np.int32)
-    mapping = rng.integers(-1, L, size=T).astype(np.int32)
-    enabled = i32([1, 0, 1, 1, 1])
-    full = moe_lora_align_block_size(ids, mapping, B, E, L, adapter_enabled=enabled,
-                                     deterministic=True)
-    P, M = buffer_sizes(T * K, E, B)
-    out = [np.full((L, P), POISON, np.int32), np.full((L, M), POISON, np.int32),
-           np.full(L, POISON, np.int32)]
-    moe_lora_align_block_size(ids, mapping, B, E, L, adapter_enabled=enabled, out=out,
-                              fill_tail=False)
-    for r in range(L):
-        if not enabled[r]:  # not processed: left as given
-            assert (out[0][r] == POISON).all() and out[2][r] == POISON
-            continue
-        t = int(full.num_tokens_post_pad[r])
-        assert out[2][r] == t
-        np.testing.assert_array_equal(out[0][r, :t], full.sorted_token_ids[r, :t])
-        np.testing.assert_array_equal(out[1][r, :t // B], full.expert_ids[r, :t // B])
-        assert (out[0][r, t:] == POISON).all() and (out[1][r, t // B:] == POISON).all()
-    allocated = moe_lora_align_block_size(ids, mapping, B, E, L, adapter_enabled=enabled,
-                                          fill_tail=False)
-    assert allocated.num_tokens_post_pad[1] == 0  # an unprocessed row's total is still written
