@@ -1,6 +1,6 @@
 // Alignment kernels: one launch for small inputs, two (count, place) for large ones.
-// Small inputs: align_single (one block); align_pair runs a base and a LoRA alignment in one
-// launch of two blocks.
+// Small inputs: align_single (one block; align_tiny where every bucket has its own thread);
+// align_pair (align_tiny_pair) runs a base and a LoRA alignment in one launch of two blocks.
 //
 // Variants of the counting stage (MODE):
 //   MODE_SHARED (0) per-block histograms in shared memory, flushed to global counts;
@@ -133,6 +133,115 @@ __global__ void align_single(const Problem p) {
 template <typename IdT, bool DET>
 __global__ void align_pair(const Problem first, const Problem second) {
   align_in_one_block<IdT, DET>(blockIdx.x == 0 ? first : second);
+}
+
+// ---------------------------------------------------------------------------------------------
+// One block, one bucket per thread (num_buckets <= blockDim, at most TINY_ITEMS routes a
+// thread): the single block's work with the fewest instructions on its dependent chain. At
+// decode sizes the time is that chain, one warp's instructions one after another (about five
+// stages of ~1000 cycles in align_single), so this version has no divisions, a two-barrier
+// scan whose result stays in each bucket's thread, and tiles written by their bucket's thread
+// instead of a binary search per tile. Non-deterministic only.
+// After the row region: starts[nb + 1] ints (counts first, then the padded scan in place).
+#define TINY_ITEMS 4
+
+template <typename IdT>
+__device__ __forceinline__ void align_tiny_block(const Problem& p) {
+  __shared__ int warp_sums[32];
+  const int nb = num_buckets(p), E = p.num_experts, tid = threadIdx.x;
+  const int lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
+  unsigned char* processed = dynamic_smem;
+  int* starts = reinterpret_cast<int*>(dynamic_smem + row_region_bytes(p.rows));
+  Route route[TINY_ITEMS];
+#pragma unroll
+  for (int j = 0; j < TINY_ITEMS; ++j) route[j] = load_route<IdT>(p, j * blockDim.x + tid, p.numel);
+  if (tid < nb) starts[tid] = 0;
+  mark_processed_rows(p, processed);
+  // The sentinel fill of every written row: fire-and-forget stores that drain while the
+  // block counts (the routes overwrite their entries after the barriers below).
+  const int4 sentinel = make_int4(p.numel, p.numel, p.numel, p.numel);
+  const bool vec = ((p.sorted_pitch & 3) == 0) &&
+                   ((reinterpret_cast<unsigned long long>(p.sorted_ids) & 15) == 0);
+  const int units = vec ? (p.padded_len >> 2) : 0;
+#pragma unroll 1
+  for (int r = 0; r < p.rows; ++r) {
+    if (!row_written(p, processed, r)) continue;
+    int* row = p.sorted_ids + (long long)r * p.sorted_pitch;
+#pragma unroll 1
+    for (int k = tid; k < units; k += blockDim.x) reinterpret_cast<int4*>(row)[k] = sentinel;
+#pragma unroll 1
+    for (int k = 4 * units + tid; k < p.padded_len; k += blockDim.x) row[k] = p.numel;
+  }
+
+  int bucket[TINY_ITEMS], rank[TINY_ITEMS];
+#pragma unroll
+  for (int j = 0; j < TINY_ITEMS; ++j) {
+    const int i = j * blockDim.x + tid;
+    bucket[j] = bucket_of(p, route[j], processed);
+    if (p.scatter_idx != nullptr && i < p.numel) p.scatter_idx[i] = bucket[j] >= 0 ? i : -1;
+    rank[j] = claim(starts, bucket[j]);
+  }
+  __syncthreads();
+
+  // Padded exclusive scan, bucket `tid` in thread `tid`: warp scan, then every warp scans the
+  // warp totals itself (no serial phase of warp 0, one barrier less than scan_block).
+  const int padded = tid < nb ? padded_count(p, starts[tid]) : 0;
+  int x = padded;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int y = __shfl_up_sync(MLA_FULL_MASK, x, d);
+    if (lane >= d) x += y;
+  }
+  if (lane == 31) warp_sums[warp] = x;
+  __syncthreads();
+  int w = lane < nwarps ? warp_sums[lane] : 0;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int y = __shfl_up_sync(MLA_FULL_MASK, w, d);
+    if (lane >= d) w += y;
+  }
+  const int before = __shfl_sync(MLA_FULL_MASK, w, (warp + 31) & 31);  // warps before this one
+  const int total = __shfl_sync(MLA_FULL_MASK, w, nwarps - 1);
+  const int start = x - padded + (warp > 0 ? before : 0);
+  if (tid < nb) starts[tid] = start;  // each thread overwrites only the count it read
+  if (tid == 0) starts[nb] = total;
+  __syncthreads();
+
+#pragma unroll
+  for (int j = 0; j < TINY_ITEMS; ++j)
+    if (bucket[j] >= 0)
+      p.sorted_ids[output_index(p, starts, bucket[j], rank[j])] = j * blockDim.x + tid;
+  // Tiles of bucket `tid` (only processed rows have counts).
+  if (padded > 0) {
+    const int r = row_of(p, tid);
+    int value = tid - r * E;
+    if (p.map_mode == 2) value = p.expert_map[value];
+    int* tile = p.expert_ids + (long long)r * p.expert_pitch +
+                fast_div(start - starts[r * E], p.block_magic, p.block_shift);
+    const int n = fast_div(padded, p.block_magic, p.block_shift);
+#pragma unroll 1
+    for (int k = 0; k < n; ++k) tile[k] = value;
+  }
+  // -1 in every written row's tiles past its total.
+#pragma unroll 1
+  for (int k = tid; k < p.rows * p.num_tiles; k += blockDim.x) {
+    const int r = fast_div(k, p.tiles_magic, p.tiles_shift), t = k - r * p.num_tiles;
+    if (row_written(p, processed, r) &&
+        (long long)t * p.block_size >= starts[r * E + E] - starts[r * E])
+      p.expert_ids[(long long)r * p.expert_pitch + t] = -1;
+  }
+  write_totals(p, processed, starts);
+}
+
+template <typename IdT>
+__global__ void __launch_bounds__(1024) align_tiny(const Problem p) {
+  align_tiny_block<IdT>(p);
+}
+
+// Base and LoRA alignment in one launch of two tiny blocks (block 0: `first`).
+template <typename IdT>
+__global__ void __launch_bounds__(1024) align_tiny_pair(const Problem first, const Problem second) {
+  align_tiny_block<IdT>(blockIdx.x == 0 ? first : second);
 }
 
 // ---------------------------------------------------------------------------------------------

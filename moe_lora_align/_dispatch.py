@@ -56,6 +56,7 @@ class Launch:
                               #   one kernel)
     starts_in_smem: bool = False  # place kernel copies the segment starts to shared memory
     stage_output: bool = False    # place kernel stages routes for coalesced stores (shared)
+    tiny: bool = False            # single: align_tiny (a thread per bucket), not align_single
 
     @property
     def mode(self) -> int:
@@ -103,6 +104,20 @@ def single_block_threads(numel: int, out_entries: int, num_buckets: int = 0) -> 
     return BLOCK
 
 
+TINY_ITEMS = 4                # kernels/align_kernels.cu: TINY_ITEMS (align_tiny's routes a thread)
+USE_TINY = True               # scripts/tiny_experiment.py switches it off to time align_single
+
+
+def tiny_block_threads(numel: int, out_entries: int, num_buckets: int):
+    """Threads of align_tiny (a multiple of 32: one per bucket, one route each up to
+    ONE_ROUTE_PER_THREAD routes, at most TINY_ITEMS, at most ENTRIES_PER_THREAD entries of
+    the fill), or None where one block of BLOCK threads is not enough."""
+    need = max(32, num_buckets, min(numel, ONE_ROUTE_PER_THREAD), _ceil_div(numel, TINY_ITEMS),
+               _ceil_div(out_entries, ENTRIES_PER_THREAD))
+    block = _ceil_div(need, 32) * 32
+    return block if block <= BLOCK else None
+
+
 def _single_block(numel, num_buckets, rows, deterministic, limits, out_entries=0):
     if numel > SINGLE_BLOCK_MAX_ROUTES:
         return None
@@ -111,6 +126,9 @@ def _single_block(numel, num_buckets, rows, deterministic, limits, out_entries=0
     if not deterministic:
         if base > limits.smem_optin:
             return None
+        tiny = tiny_block_threads(numel, out_entries, num_buckets) if USE_TINY else None
+        if tiny is not None:
+            return Launch("shared", "single", False, tiny, smem_single=base, tiny=True)
         return Launch("shared", "single", False, block, smem_single=base)
     # Deterministic: one unsigned short counter per (warp, bucket); fewer warps if they don't fit.
     for warps in (32, 16, 8, 4):
@@ -307,6 +325,9 @@ def choose_pair(numel: int, base_buckets: int, lora_buckets: int, rows: int,
     lora = _single_block(numel, lora_buckets, rows, deterministic, limits, out_entries)
     if base is None or lora is None:
         return None
+    if base.tiny and lora.tiny:
+        return Launch("shared", "single", False, max(base.block, lora.block), grid=2,
+                      smem_single=max(base.smem_single, lora.smem_single), tiny=True)
     block = lora.block if not deterministic else min(base.block, lora.block)
     warps = block // 32
     even = lambda n: n + (n & 1)  # noqa: E731  (per-warp counter rows are 4-byte aligned)

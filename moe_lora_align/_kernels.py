@@ -69,6 +69,8 @@ def kernel_names(dtype) -> dict:
         names[("count", mode)] = f"align_count<{t}, {mode}>"
         names[("place", mode)] = f"align_place<{t}, {mode}>"
     names[("cooperative_pair", 0)] = f"align_cooperative_pair<{t}>"
+    names[("tiny", False)] = f"align_tiny<{t}>"
+    names[("tiny_pair", False)] = f"align_tiny_pair<{t}>"
     return names
 
 

@@ -297,8 +297,8 @@ def launch_one(job: Job, launch: _dispatch.Launch, ws: Workspace, stream, device
                      device_limits(device_id).smem_optin)
     pack(job, launch, ws)
     if launch.kind == "single":
-        launch_kernel(ks, ("single", launch.deterministic), launch.grid, launch.block,
-                      launch.smem_single, stream, job)
+        key = ("tiny", False) if launch.tiny else ("single", launch.deterministic)
+        launch_kernel(ks, key, launch.grid, launch.block, launch.smem_single, stream, job)
         return
     if launch.kind == "cooperative":
         launch_kernel(ks, ("cooperative", launch.deterministic), launch.grid, launch.block,
@@ -337,8 +337,8 @@ def launch_pair(base: Job, lora: Job, launch, ws_base: Workspace, ws_lora: Works
     ws_lora.ensure(1, 0)
     pack(base, launch, ws_base)
     pack(lora, launch, ws_lora)
-    launch_kernel(ks, ("pair", launch.deterministic), 2, launch.block,
-                  launch.smem_single, stream, base, lora)
+    key = ("tiny_pair", False) if launch.tiny else ("pair", launch.deterministic)
+    launch_kernel(ks, key, 2, launch.block, launch.smem_single, stream, base, lora)
 
 
 def pair_ready(pair, base: Job, lora: Job, ws_base: Workspace, ws_lora: Workspace,

@@ -126,10 +126,39 @@ def test_pair_fuses_decode_and_declines_prefill():
     (513, 0, 64, 512), (2048, 0, 64, 512), (2049, 0, 64, 1024), (4096, 0, 64, 1024),
     (8, 128 * 64 + 1, 64, 256), (8, 10**6, 64, 1024),
     (8, 0, 512, 128), (8, 0, 1024, 256), (8, 0, 4096, 1024)])
-def test_single_block_size_follows_the_work(numel, entries, buckets, threads):
+def test_single_block_size_follows_the_work(numel, entries, buckets, threads, monkeypatch):
     assert d.single_block_threads(numel, entries, buckets) == threads
+    monkeypatch.setattr(d, "USE_TINY", False)
     launch = d.choose_launch(numel, buckets, 1, NO_COOP, out_entries=entries)
-    assert launch.kind == "single" and launch.block == threads
+    assert launch.kind == "single" and launch.block == threads and not launch.tiny
+
+
+@pytest.mark.parametrize("numel,entries,buckets,threads", [
+    (1, 0, 1, 32), (8, 128, 8, 32), (8, 0, 64, 64), (8, 0, 257, 288), (128, 0, 64, 128),
+    (512, 0, 64, 512), (2048, 0, 256, 512), (2560, 10240 + 640, 512, 640),
+    (4096, 0, 64, 1024), (8, 0, 1024, 1024), (8, 64 * 1024, 64, 1024)])
+def test_tiny_block_has_a_thread_per_bucket(numel, entries, buckets, threads):
+    """align_tiny: a multiple of 32 threads, one per bucket, one route each up to 512, at
+    most four, at most 64 fill entries each."""
+    assert d.tiny_block_threads(numel, entries, buckets) == threads
+    launch = d.choose_launch(numel, buckets, 1, NO_COOP, out_entries=entries)
+    assert launch.kind == "single" and launch.tiny and launch.block == threads
+
+
+@pytest.mark.parametrize("numel,entries,buckets", [
+    (8, 0, 1025), (4097, 0, 64), (8, 64 * 1024 + 1, 64)])
+def test_tiny_block_declines_what_one_block_cannot_spread(numel, entries, buckets):
+    assert d.tiny_block_threads(numel, entries, buckets) is None
+    launch = d.choose_launch(numel, buckets, 1, NO_COOP, out_entries=entries)
+    assert not launch.tiny
+
+
+def test_tiny_is_never_deterministic_and_pairs_need_both_sides():
+    assert not d.choose_launch(8, 64, 1, H200, deterministic=True).tiny
+    pair = d.choose_pair(8, 64, 4 * 64, 4, H200)
+    assert pair.tiny and pair.block == 256 and pair.grid == 2
+    assert not d.choose_pair(8, 64, 16 * 256, 16, H200).tiny  # LoRA side: 4096 buckets
+    assert not d.choose_pair(8, 64, 4 * 64, 4, H200, deterministic=True).tiny
 
 
 def test_fill_blocks_join_the_count_kernel():

@@ -144,6 +144,36 @@ def test_lora(E, T, variant, det):
     _lora_case(E, T, variant, det, salt=salt)
 
 
+SINGLE_GRID = [(E, T) for E in (1, 7, 64, 257, 1024) for T in (0, 1, 3, 255)]
+
+
+@pytest.fixture
+def without_tiny(monkeypatch):
+    """The one-block cases through align_single, which align_tiny replaces where it fits."""
+    monkeypatch.setattr(mla._dispatch, "USE_TINY", False)
+
+
+@pytest.mark.parametrize("variant", [None, "shared"])
+@pytest.mark.parametrize("E,T", SINGLE_GRID)
+def test_base_single_block_without_tiny(E, T, variant, without_tiny):
+    _base_case(E, T, variant, False, salt=31)
+
+
+@pytest.mark.parametrize("variant", [None, "shared"])
+@pytest.mark.parametrize("E,T", SINGLE_GRID)
+def test_lora_single_block_without_tiny(E, T, variant, without_tiny):
+    _lora_case(E, T, variant, False, salt=32)
+
+
+@pytest.mark.parametrize("E,T,rows", [(64, 1, 1), (257, 255, 1), (64, 255, 16), (1024, 3, 1),
+                                      (7, 3, 4), (256, 255, 4)])
+def test_decode_sizes_run_the_tiny_kernel(E, T, rows):
+    """The dispatcher's one-block choice at these sizes is align_tiny (its correctness is
+    covered by the grids above, which run it wherever it fits)."""
+    launch = mla._dispatch.choose_launch(T * 8, rows * E, rows, mla._launch.device_limits(0))
+    assert launch.kind == "single" and launch.tiny
+
+
 def test_cooperative_scratch_serves_calls_of_any_size_in_turn():
     """The cooperative kernel keeps two count buffers and cleans the previous call's: calls
     of growing and shrinking bucket counts and sizes, free and deterministic, one after

@@ -76,6 +76,20 @@ def test_together_each_variant(T, E, K, B, L, variant, streams):
         _check(base, lora, ids, mapping, lora_ids, enabled, B, E, L)
 
 
+@pytest.mark.parametrize("T,E,K,B,L", SIZES[:2] + [(3, 7, 2, 1, 16), (64, 1024, 8, 16, 1)])
+def test_fused_decode_with_and_without_tiny(T, E, K, B, L, monkeypatch):
+    """The fused decode launch as two align_tiny blocks and as two align_single blocks."""
+    ids, mapping, lora_ids, enabled = _inputs(T, E, K, L, seed=4)
+    for tiny in (True, False):
+        monkeypatch.setattr(mla._dispatch, "USE_TINY", tiny)
+        base, lora = mla.align_moe_and_lora(cupy.asarray(ids), cupy.asarray(mapping), B, E, L,
+                                            lora_ids=cupy.asarray(lora_ids),
+                                            adapter_enabled=cupy.asarray(enabled),
+                                            streams="fused")
+        cupy.cuda.get_current_stream().synchronize()
+        _check(base, lora, ids, mapping, lora_ids, enabled, B, E, L)
+
+
 def test_fused_prefill_has_no_deterministic_mode():
     with pytest.raises(ValueError, match="fused"):
         mla.align_moe_and_lora(cupy.zeros((8192, 8), np.int32), cupy.zeros(8192, np.int32), 64,

@@ -1,0 +1,95 @@
+"""align_tiny against align_single at decode sizes, in one process (GPU machine).
+
+  python3 scripts/tiny_experiment.py [--json PATH]
+
+Every case is timed with graph replay (moe_lora_align.bench.graph_us), the dispatcher's
+one-block choice with align_tiny (USE_TINY on) and with align_single (off), alternating
+A B A B so drift hits both; each result is checked against the NumPy backend first.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import cupy
+import numpy as np
+
+import moe_lora_align as mla
+from moe_lora_align import _dispatch
+from moe_lora_align.bench import _starts, check_against_numpy, graph_us, lora_inputs, routing
+
+CASES = [  # op, T, E, K, B, L
+    ("base", 1, 8, 2, 16, None), ("base", 1, 64, 8, 16, None), ("base", 1, 512, 10, 16, None),
+    ("base", 16, 64, 8, 16, None), ("base", 16, 256, 8, 16, None),
+    ("base", 64, 256, 8, 16, None), ("base", 256, 8, 2, 16, None),
+    ("base", 256, 64, 8, 16, None), ("base", 256, 256, 8, 16, None),
+    ("base", 256, 512, 10, 16, None),
+    ("lora", 1, 64, 6, 16, 4), ("lora", 16, 64, 6, 16, 16), ("lora", 16, 128, 4, 16, 4),
+    ("lora", 256, 64, 6, 16, 16), ("lora", 256, 256, 8, 16, 4),
+    ("pair", 1, 64, 8, 16, 4), ("pair", 64, 128, 8, 16, 4), ("pair", 256, 64, 8, 16, 16),
+]
+
+
+def make_call(case, stream):
+    """A checked callable of one case through the public paths (plans for base and pair)."""
+    op, T, E, K, B, L = case
+    rng = np.random.default_rng(T * 7 + E)
+    ids = routing(rng, T, K, E, "uniform")
+    d_ids = cupy.asarray(ids)
+    if op == "base":
+        plan = mla.AlignPlan(T, K, E, B)
+        fn = lambda: plan(d_ids, stream=stream)  # noqa: E731
+        checks = [(lambda r: r, mla.moe_align_block_size(ids, B, E), lambda: _starts(ids, E, B))]
+    else:
+        mapping, lora_ids, enabled = lora_inputs(rng, T, L)
+        dm, dl = cupy.asarray(mapping), cupy.asarray(lora_ids)
+        ref_l = mla.moe_lora_align_block_size(ids, mapping, B, E, L, lora_ids=lora_ids)
+        lora_check = (lambda r: r, ref_l, lambda: _starts(ids, E, B, L, mapping))
+        if op == "pair":
+            plan = mla.AlignPlan(T, K, E, B, max_loras=L)
+            fn = lambda: plan(d_ids, dm, lora_ids=dl, stream=stream)  # noqa: E731
+            checks = [(lambda r: r[0], mla.moe_align_block_size(ids, B, E),
+                       lambda: _starts(ids, E, B)), (lambda r: r[1],) + lora_check[1:]]
+        else:
+            P, M = mla.buffer_sizes(T * K, E, B)
+            out = [cupy.full((L, P), T * K, np.int32), cupy.full((L, M), -1, np.int32),
+                   cupy.zeros(L, np.int32)]
+            fn = lambda: mla.moe_lora_align_block_size(  # noqa: E731
+                d_ids, dm, B, E, L, lora_ids=dl, out=out, stream=stream)
+            checks = [lora_check]
+    with stream:
+        res = fn()
+    stream.synchronize()
+    for pick, ref, starts in checks:
+        check_against_numpy(pick(res), ref, starts)
+    return fn
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    stream = cupy.cuda.Stream(non_blocking=True)
+    report = {}
+    print(f"{'case':40s} {'tiny':>7s} {'single':>7s} {'ratio':>6s}   (graph us, median of 3 A/B)")
+    for case in CASES:
+        times = {True: [], False: []}
+        for _ in range(3):
+            for tiny in (True, False):
+                _dispatch.USE_TINY = tiny
+                times[tiny].append(graph_us(make_call(case, stream), stream))
+        _dispatch.USE_TINY = True
+        t, s = statistics.median(times[True]), statistics.median(times[False])
+        report[str(case)] = {"tiny_us": t, "single_us": s, "all": {str(k): v for k, v in
+                                                                   times.items()}}
+        print(f"{case!s:40s} {t:7.2f} {s:7.2f} {t / s:6.2f}", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
