@@ -179,21 +179,23 @@ __device__ __forceinline__ int atomic_add_count(unsigned short* counter, int idx
 
 // Counter update that returns each lane its slot: counter[bucket] += 1, old value back.
 // Lanes sharing the bucket of the warp's first active lane are folded into one atomic (all
-// routes of a skewed batch hit one counter); the others add on their own. The order among
-// lanes of one bucket is whatever the hardware picks: use claim_in_lane_order for ranks that
-// must follow the flat index. Every lane of the warp must call it; bucket < 0 is inactive.
+// routes of a skewed batch hit one counter); the others add on their own in the same round,
+// so a warp waits for one atomic round trip. The order among lanes of one bucket is whatever
+// the hardware picks: use claim_in_lane_order for ranks that must follow the flat index.
+// Every lane of the warp must call it; bucket < 0 is inactive.
 template <typename CounterT>
 __device__ __forceinline__ int claim(CounterT* counter, int bucket) {
   const unsigned active = __ballot_sync(MLA_FULL_MASK, bucket >= 0);
   if (active == 0) return -1;
-  const int first = __ffs(active) - 1;
+  const int lane = threadIdx.x & 31, first = __ffs(active) - 1;
   const int lead = __shfl_sync(MLA_FULL_MASK, bucket, first);
   const unsigned same = __ballot_sync(MLA_FULL_MASK, bucket == lead);
-  int base = 0;
-  if ((int)(threadIdx.x & 31) == first) base = atomic_add_count(counter, lead, __popc(same));
-  base = __shfl_sync(MLA_FULL_MASK, base, first);
+  int old = 0;
+  if (lane == first || (bucket >= 0 && bucket != lead))
+    old = atomic_add_count(counter, bucket, lane == first ? __popc(same) : 1);
+  const int base = __shfl_sync(MLA_FULL_MASK, old, first);
   if (bucket == lead) return base + __popc(same & lanemask_lt());
-  return bucket >= 0 ? atomic_add_count(counter, bucket, 1) : -1;
+  return bucket >= 0 ? old : -1;
 }
 
 // Ranks in lane order for counters only this warp touches (deterministic mode): lanes with

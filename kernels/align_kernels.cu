@@ -140,8 +140,9 @@ __global__ void align_pair(const Problem first, const Problem second) {
 // thread): the single block's work with the fewest instructions on its dependent chain. At
 // decode sizes the time is that chain, one warp's instructions one after another (about five
 // stages of ~1000 cycles in align_single), so this version has no divisions, a two-barrier
-// scan whose result stays in each bucket's thread, and tiles written by their bucket's thread
-// instead of a binary search per tile. Non-deterministic only.
+// scan whose result stays in each bucket's thread, tiles written by their bucket's thread
+// instead of a binary search per tile, and every fill issued before counting. Non-deterministic
+// only.
 // After the row region: starts[nb + 1] ints (counts first, then the padded scan in place).
 #define TINY_ITEMS 4
 
@@ -157,8 +158,9 @@ __device__ __forceinline__ void align_tiny_block(const Problem& p) {
   for (int j = 0; j < TINY_ITEMS; ++j) route[j] = load_route<IdT>(p, j * blockDim.x + tid, p.numel);
   if (tid < nb) starts[tid] = 0;
   mark_processed_rows(p, processed);
-  // The sentinel fill of every written row: fire-and-forget stores that drain while the
-  // block counts (the routes overwrite their entries after the barriers below).
+  // The sentinel fill of every written row, and -1 in all its tiles: fire-and-forget stores
+  // that drain while the block counts (routes and tile owners overwrite them after the
+  // barriers below, so nothing is left to write past the totals at the end).
   const int4 sentinel = make_int4(p.numel, p.numel, p.numel, p.numel);
   const bool vec = ((p.sorted_pitch & 3) == 0) &&
                    ((reinterpret_cast<unsigned long long>(p.sorted_ids) & 15) == 0);
@@ -171,6 +173,9 @@ __device__ __forceinline__ void align_tiny_block(const Problem& p) {
     for (int k = tid; k < units; k += blockDim.x) reinterpret_cast<int4*>(row)[k] = sentinel;
 #pragma unroll 1
     for (int k = 4 * units + tid; k < p.padded_len; k += blockDim.x) row[k] = p.numel;
+    int* tiles = p.expert_ids + (long long)r * p.expert_pitch;
+#pragma unroll 1
+    for (int k = tid; k < p.num_tiles; k += blockDim.x) tiles[k] = -1;
   }
 
   int bucket[TINY_ITEMS], rank[TINY_ITEMS];
@@ -221,14 +226,6 @@ __device__ __forceinline__ void align_tiny_block(const Problem& p) {
     const int n = fast_div(padded, p.block_magic, p.block_shift);
 #pragma unroll 1
     for (int k = 0; k < n; ++k) tile[k] = value;
-  }
-  // -1 in every written row's tiles past its total.
-#pragma unroll 1
-  for (int k = tid; k < p.rows * p.num_tiles; k += blockDim.x) {
-    const int r = fast_div(k, p.tiles_magic, p.tiles_shift), t = k - r * p.num_tiles;
-    if (row_written(p, processed, r) &&
-        (long long)t * p.block_size >= starts[r * E + E] - starts[r * E])
-      p.expert_ids[(long long)r * p.expert_pitch + t] = -1;
   }
   write_totals(p, processed, starts);
 }
@@ -724,15 +721,17 @@ __device__ __forceinline__ void align_cooperatively(const Problem& p, int block,
 #endif
 }
 
+// (1024, 1): one block a SM by design; without the minimum, NVRTC 13.0 gave the deterministic
+// instance 32 registers and spilled.
 template <typename IdT, bool DET>
-__global__ void __launch_bounds__(1024) align_cooperative(const Problem p) {
+__global__ void __launch_bounds__(1024, 1) align_cooperative(const Problem p) {
   align_cooperatively<IdT, DET>(p, blockIdx.x, gridDim.x);
 }
 
 // Base and LoRA alignment in one cooperative launch: the first `first.coop_blocks` blocks
 // align `first`, the rest `second`; each side has its own scratch and barrier.
 template <typename IdT>
-__global__ void __launch_bounds__(1024) align_cooperative_pair(const Problem first,
+__global__ void __launch_bounds__(1024, 1) align_cooperative_pair(const Problem first,
                                                                const Problem second) {
   const int split = first.coop_blocks;
   if ((int)blockIdx.x < split) align_cooperatively<IdT, false>(first, blockIdx.x, split);

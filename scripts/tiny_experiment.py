@@ -1,10 +1,12 @@
 """align_tiny against align_single at decode sizes, in one process (GPU machine).
 
-  python3 scripts/tiny_experiment.py [--json PATH]
+  python3 scripts/tiny_experiment.py [--json PATH] [--baseline DIR]
 
 Every case is timed with graph replay (moe_lora_align.bench.graph_us), the dispatcher's
-one-block choice with align_tiny (USE_TINY on) and with align_single (off), alternating
-A B A B so drift hits both; each result is checked against the NumPy backend first.
+one-block choice with align_tiny (USE_TINY on) and with align_single (off), and with
+``--baseline`` align_tiny compiled from the kernel sources in DIR (an earlier commit's
+``kernels/``), in turn three times so drift hits all; each result is checked against the
+NumPy backend first.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import cupy
 import numpy as np
 
 import moe_lora_align as mla
-from moe_lora_align import _dispatch
+from moe_lora_align import _dispatch, _kernels
 from moe_lora_align.bench import _starts, check_against_numpy, graph_us, lora_inputs, routing
 
 CASES = [  # op, T, E, K, B, L
@@ -68,24 +70,40 @@ def make_call(case, stream):
     return fn
 
 
+_KERNEL_DIR = _kernels.kernel_dir
+
+
+def use_kernels(directory):
+    """Compile and load the kernels from ``directory`` (None: the package's own)."""
+    _kernels.kernel_dir = _KERNEL_DIR if directory is None else (lambda: directory)
+    _kernels.source.cache_clear()
+    _kernels._loaded.clear()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--baseline", type=Path, help="kernel sources of an earlier commit")
     args = ap.parse_args()
     stream = cupy.cuda.Stream(non_blocking=True)
     report = {}
-    print(f"{'case':40s} {'tiny':>7s} {'single':>7s} {'ratio':>6s}   (graph us, median of 3 A/B)")
+    runs = [("tiny", True, None), ("single", False, None)]
+    if args.baseline:
+        runs.append(("base tiny", True, args.baseline.resolve()))
+    print(f"{'case':40s} " + " ".join(f"{n:>9s}" for n, _, _ in runs)
+          + "   (graph us, median of 3 in turn)")
     for case in CASES:
-        times = {True: [], False: []}
+        times = {n: [] for n, _, _ in runs}
         for _ in range(3):
-            for tiny in (True, False):
+            for name, tiny, directory in runs:
+                use_kernels(directory)
                 _dispatch.USE_TINY = tiny
-                times[tiny].append(graph_us(make_call(case, stream), stream))
+                times[name].append(graph_us(make_call(case, stream), stream))
+        use_kernels(None)
         _dispatch.USE_TINY = True
-        t, s = statistics.median(times[True]), statistics.median(times[False])
-        report[str(case)] = {"tiny_us": t, "single_us": s, "all": {str(k): v for k, v in
-                                                                   times.items()}}
-        print(f"{case!s:40s} {t:7.2f} {s:7.2f} {t / s:6.2f}", flush=True)
+        med = {n: statistics.median(v) for n, v in times.items()}
+        report[str(case)] = {"median_us": med, "all_us": times}
+        print(f"{case!s:40s} " + " ".join(f"{med[n]:9.2f}" for n, _, _ in runs), flush=True)
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
     return 0
