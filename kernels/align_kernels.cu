@@ -173,9 +173,14 @@ __device__ __forceinline__ void align_tiny_block(const Problem& p) {
     for (int k = tid; k < units; k += blockDim.x) reinterpret_cast<int4*>(row)[k] = sentinel;
 #pragma unroll 1
     for (int k = 4 * units + tid; k < p.padded_len; k += blockDim.x) row[k] = p.numel;
-    int* tiles = p.expert_ids + (long long)r * p.expert_pitch;
+  }
+  // Tiles as one flat range over the rows: few per row, so a loop per row would cost each
+  // thread more instructions than stores.
 #pragma unroll 1
-    for (int k = tid; k < p.num_tiles; k += blockDim.x) tiles[k] = -1;
+  for (int k = tid; k < p.rows * p.num_tiles; k += blockDim.x) {
+    const int r = fast_div(k, p.tiles_magic, p.tiles_shift);
+    if (row_written(p, processed, r))
+      p.expert_ids[(long long)r * p.expert_pitch + (k - r * p.num_tiles)] = -1;
   }
 
   int bucket[TINY_ITEMS], rank[TINY_ITEMS];
