@@ -7,8 +7,9 @@
    and the zeroing also loop over the buckets, 4096 of them for LoRA E=256 x 16 slots).
 2. Cold or busy: built with -DMLA_PROBE -DMLA_TWICE, the kernel runs the same alignment twice
    in one block and stamps both passes. A second pass much faster than the first means the
-   time goes to cold caches (instructions, constants) on the SM that the call landed on, not
-   to the work.
+   time goes to cold caches (constants) on the SM that the call landed on, not to the work.
+   Caveat (results/PERF_LOG.md r17): align_in_one_block is inlined, so the second pass runs
+   a second copy of the code and says nothing about the instruction cache.
 """
 from __future__ import annotations
 
