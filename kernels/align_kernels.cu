@@ -136,52 +136,66 @@ __global__ void align_pair(const Problem first, const Problem second) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// One block, one bucket per thread (num_buckets <= blockDim, at most TINY_ITEMS routes a
-// thread): the single block's work with the fewest instructions on its dependent chain. At
-// decode sizes the time is that chain, one warp's instructions one after another (about five
-// stages of ~1000 cycles in align_single), so this version has no divisions, a two-barrier
+// One block with a bucket per thread, or TINY_BUCKETS consecutive buckets per thread when there
+// are more buckets than threads (LoRA with many slots), and up to TINY_ITEMS routes a thread:
+// the single block's work with the fewest instructions on its dependent chain. At decode sizes
+// the time is that chain, one warp's instructions one after another (about five stages of
+// ~1000 cycles in align_single), so this version has no divisions in its loops, a two-barrier
 // scan whose result stays in each bucket's thread, tiles written by their bucket's thread
-// instead of a binary search per tile, and every fill issued before counting. Non-deterministic
-// only.
+// instead of a binary search per tile, and every fill issued before counting.
+// Non-deterministic only.
 // After the row region: starts[nb + 1] ints (counts first, then the padded scan in place).
 #define TINY_ITEMS 4
+#define TINY_BUCKETS 4
 
 template <typename IdT>
 __device__ __forceinline__ void align_tiny_block(const Problem& p) {
   __shared__ int warp_sums[32];
   const int nb = num_buckets(p), E = p.num_experts, tid = threadIdx.x;
   const int lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
+  // Buckets [first, first + per) are this thread's (the dispatcher keeps nb <= per * blockDim).
+  const int per = nb > (int)blockDim.x ? TINY_BUCKETS : 1, first = tid * per;
   unsigned char* processed = dynamic_smem;
   int* starts = reinterpret_cast<int*>(dynamic_smem + row_region_bytes(p.rows));
+  MLA_STAMP(0, 0);
   Route route[TINY_ITEMS];
 #pragma unroll
   for (int j = 0; j < TINY_ITEMS; ++j) route[j] = load_route<IdT>(p, j * blockDim.x + tid, p.numel);
-  if (tid < nb) starts[tid] = 0;
+  for (int b = tid; b < nb; b += blockDim.x) starts[b] = 0;
   mark_processed_rows(p, processed);
   // The sentinel fill of every written row, and -1 in all its tiles: fire-and-forget stores
   // that drain while the block counts (routes and tile owners overwrite them after the
-  // barriers below, so nothing is left to write past the totals at the end).
+  // barriers below, so nothing is left to write past the totals at the end). A row is filled
+  // by a group of nwarps / rows warps (one warp a row when rows >= nwarps): a loop over all
+  // rows in every thread cost 16-slot LoRA more instructions than stores.
   const int4 sentinel = make_int4(p.numel, p.numel, p.numel, p.numel);
   const bool vec = ((p.sorted_pitch & 3) == 0) &&
                    ((reinterpret_cast<unsigned long long>(p.sorted_ids) & 15) == 0);
   const int units = vec ? (p.padded_len >> 2) : 0;
+  int group = nwarps, row0 = 0, row_step = 1;  // base: every warp on the one row
+  if (p.rows > 1) {
+    group = p.rows >= nwarps ? 1 : nwarps / p.rows;  // warps per row
+    row0 = warp / group;  // a last, incomplete group gets row0 >= rows: it idles
+    row_step = nwarps / group;
+  }
+  const int t = tid - row0 * group * 32, stride = 32 * group;
 #pragma unroll 1
-  for (int r = 0; r < p.rows; ++r) {
+  for (int r = row0; r < p.rows; r += row_step) {
     if (!row_written(p, processed, r)) continue;
     int* row = p.sorted_ids + (long long)r * p.sorted_pitch;
 #pragma unroll 1
-    for (int k = tid; k < units; k += blockDim.x) reinterpret_cast<int4*>(row)[k] = sentinel;
+    for (int k = t; k < units; k += stride) reinterpret_cast<int4*>(row)[k] = sentinel;
 #pragma unroll 1
-    for (int k = 4 * units + tid; k < p.padded_len; k += blockDim.x) row[k] = p.numel;
+    for (int k = 4 * units + t; k < p.padded_len; k += stride) row[k] = p.numel;
   }
-  // Tiles as one flat range over the rows: few per row, so a loop per row would cost each
-  // thread more instructions than stores.
+  // Tiles as one flat range over the rows (few per row).
 #pragma unroll 1
   for (int k = tid; k < p.rows * p.num_tiles; k += blockDim.x) {
     const int r = fast_div(k, p.tiles_magic, p.tiles_shift);
     if (row_written(p, processed, r))
       p.expert_ids[(long long)r * p.expert_pitch + (k - r * p.num_tiles)] = -1;
   }
+  MLA_STAMP(0, 1);
 
   int bucket[TINY_ITEMS], rank[TINY_ITEMS];
 #pragma unroll
@@ -192,11 +206,17 @@ __device__ __forceinline__ void align_tiny_block(const Problem& p) {
     rank[j] = claim(starts, bucket[j]);
   }
   __syncthreads();
+  MLA_STAMP(0, 2);
 
-  // Padded exclusive scan, bucket `tid` in thread `tid`: warp scan, then every warp scans the
-  // warp totals itself (no serial phase of warp 0, one barrier less than scan_block).
-  const int padded = tid < nb ? padded_count(p, starts[tid]) : 0;
-  int x = padded;
+  // Padded exclusive scan, this thread's buckets in this thread: warp scan of the threads'
+  // sums, then every warp scans the warp totals itself (no serial phase of warp 0).
+  int padded[TINY_BUCKETS], sum = 0;
+#pragma unroll
+  for (int q = 0; q < TINY_BUCKETS; ++q) {
+    padded[q] = q < per && first + q < nb ? padded_count(p, starts[first + q]) : 0;
+    sum += padded[q];
+  }
+  int x = sum;
 #pragma unroll
   for (int d = 1; d < 32; d <<= 1) {
     const int y = __shfl_up_sync(MLA_FULL_MASK, x, d);
@@ -212,27 +232,40 @@ __device__ __forceinline__ void align_tiny_block(const Problem& p) {
   }
   const int before = __shfl_sync(MLA_FULL_MASK, w, (warp + 31) & 31);  // warps before this one
   const int total = __shfl_sync(MLA_FULL_MASK, w, nwarps - 1);
-  const int start = x - padded + (warp > 0 ? before : 0);
-  if (tid < nb) starts[tid] = start;  // each thread overwrites only the count it read
+  int start[TINY_BUCKETS];
+  start[0] = x - sum + (warp > 0 ? before : 0);
+#pragma unroll
+  for (int q = 1; q < TINY_BUCKETS; ++q) start[q] = start[q - 1] + padded[q - 1];
+#pragma unroll
+  for (int q = 0; q < TINY_BUCKETS; ++q)  // each thread overwrites only the counts it read
+    if (q < per && first + q < nb) starts[first + q] = start[q];
   if (tid == 0) starts[nb] = total;
   __syncthreads();
+  MLA_STAMP(0, 3);
 
 #pragma unroll
   for (int j = 0; j < TINY_ITEMS; ++j)
     if (bucket[j] >= 0)
       p.sorted_ids[output_index(p, starts, bucket[j], rank[j])] = j * blockDim.x + tid;
-  // Tiles of bucket `tid` (only processed rows have counts).
-  if (padded > 0) {
-    const int r = row_of(p, tid);
-    int value = tid - r * E;
+  // Tiles of this thread's buckets (only processed rows have counts).
+#pragma unroll
+  for (int q = 0; q < TINY_BUCKETS; ++q) {
+    if (padded[q] == 0) continue;
+    const int b = first + q, r = row_of(p, b);
+    int value = b - r * E;
     if (p.map_mode == 2) value = p.expert_map[value];
     int* tile = p.expert_ids + (long long)r * p.expert_pitch +
-                fast_div(start - starts[r * E], p.block_magic, p.block_shift);
-    const int n = fast_div(padded, p.block_magic, p.block_shift);
+                fast_div(start[q] - starts[r * E], p.block_magic, p.block_shift);
+    const int n = fast_div(padded[q], p.block_magic, p.block_shift);
 #pragma unroll 1
     for (int k = 0; k < n; ++k) tile[k] = value;
   }
   write_totals(p, processed, starts);
+  MLA_STAMP(0, 4);
+#ifdef MLA_PROBE
+  __syncthreads();
+  MLA_STAMP(0, 5);
+#endif
 }
 
 template <typename IdT>

@@ -105,15 +105,22 @@ def single_block_threads(numel: int, out_entries: int, num_buckets: int = 0) -> 
 
 
 TINY_ITEMS = 4                # kernels/align_kernels.cu: TINY_ITEMS (align_tiny's routes a thread)
+TINY_BUCKETS = 4              # kernels/align_kernels.cu: TINY_BUCKETS (its buckets a thread when
+                              #   there are more buckets than threads)
+TINY_ONE_BUCKET_MAX = BLOCK   # up to this many buckets align_tiny has a thread per bucket
 USE_TINY = True               # scripts/tiny_experiment.py switches it off to time align_single
 
 
 def tiny_block_threads(numel: int, out_entries: int, num_buckets: int):
-    """Threads of align_tiny (a multiple of 32: one per bucket, one route each up to
-    ONE_ROUTE_PER_THREAD routes, at most TINY_ITEMS, at most ENTRIES_PER_THREAD entries of
-    the fill), or None where one block of BLOCK threads is not enough."""
-    need = max(32, num_buckets, min(numel, ONE_ROUTE_PER_THREAD), _ceil_div(numel, TINY_ITEMS),
-               _ceil_div(out_entries, ENTRIES_PER_THREAD))
+    """Threads of align_tiny (a multiple of 32): one per bucket up to TINY_ONE_BUCKET_MAX
+    buckets, else one per TINY_BUCKETS buckets; one route each up to ONE_ROUTE_PER_THREAD
+    routes, at most TINY_ITEMS; at most ENTRIES_PER_THREAD entries of the fill. None where
+    one block of BLOCK threads is not enough. The kernel gives each thread TINY_BUCKETS
+    buckets exactly when there are more buckets than threads."""
+    bucket_threads = (num_buckets if num_buckets <= TINY_ONE_BUCKET_MAX
+                      else _ceil_div(num_buckets, TINY_BUCKETS))
+    need = max(32, bucket_threads, min(numel, ONE_ROUTE_PER_THREAD),
+               _ceil_div(numel, TINY_ITEMS), _ceil_div(out_entries, ENTRIES_PER_THREAD))
     block = _ceil_div(need, 32) * 32
     return block if block <= BLOCK else None
 

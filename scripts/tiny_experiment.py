@@ -2,11 +2,14 @@
 
   python3 scripts/tiny_experiment.py [--json PATH] [--baseline DIR]
 
-Every case is timed with graph replay (moe_lora_align.bench.graph_us), the dispatcher's
-one-block choice with align_tiny (USE_TINY on) and with align_single (off), and with
-``--baseline`` align_tiny compiled from the kernel sources in DIR (an earlier commit's
-``kernels/``), in turn three times so drift hits all; each result is checked against the
-NumPy backend first.
+Every case is timed with graph replay (moe_lora_align.bench.graph_us) under each of RUNS'
+dispatcher settings: align_tiny as dispatched ("tiny"), align_tiny with four buckets a
+thread wherever its block has fewer threads than buckets ("tiny4"), align_single
+("single"), and the dispatcher's default but with one block up to any fill size ("no
+coop": the cooperative launch otherwise takes the largest LoRA fills). With ``--baseline``
+also align_tiny compiled from the kernel sources in DIR (an earlier commit's ``kernels/``,
+cases it can run: a thread per bucket). Runs take turns, three times, so drift hits all;
+each result is checked against the NumPy backend first.
 """
 from __future__ import annotations
 
@@ -31,6 +34,8 @@ CASES = [  # op, T, E, K, B, L
     ("base", 256, 512, 10, 16, None),
     ("lora", 1, 64, 6, 16, 4), ("lora", 16, 64, 6, 16, 16), ("lora", 16, 128, 4, 16, 4),
     ("lora", 256, 64, 6, 16, 16), ("lora", 256, 256, 8, 16, 4),
+    ("lora", 1, 256, 8, 16, 16), ("lora", 16, 256, 8, 16, 16), ("lora", 64, 256, 8, 16, 16),
+    ("lora", 256, 256, 8, 16, 16), ("pair", 16, 256, 8, 16, 16),
     ("pair", 1, 64, 8, 16, 4), ("pair", 64, 128, 8, 16, 4), ("pair", 256, 64, 8, 16, 16),
 ]
 
@@ -70,6 +75,11 @@ def make_call(case, stream):
     return fn
 
 
+RUNS = [  # name, dispatcher settings, kernel sources (None: the package's)
+    ("tiny", {}, None), ("tiny4", {"TINY_ONE_BUCKET_MAX": 0}, None),
+    ("single", {"USE_TINY": False}, None),
+    ("no coop", {"COOP_OVER_SINGLE_ENTRIES": 1 << 30}, None)]
+
 _KERNEL_DIR = _kernels.kernel_dir
 
 
@@ -87,23 +97,30 @@ def main():
     args = ap.parse_args()
     stream = cupy.cuda.Stream(non_blocking=True)
     report = {}
-    runs = [("tiny", True, None), ("single", False, None)]
+    runs = list(RUNS)
     if args.baseline:
-        runs.append(("base tiny", True, args.baseline.resolve()))
+        runs.append(("base tiny", {}, args.baseline.resolve()))
+    defaults = {k: getattr(_dispatch, k) for _, s, _ in runs for k in s}
     print(f"{'case':40s} " + " ".join(f"{n:>9s}" for n, _, _ in runs)
           + "   (graph us, median of 3 in turn)")
     for case in CASES:
-        times = {n: [] for n, _, _ in runs}
+        op, T, E, K, B, L = case
+        times = {}
         for _ in range(3):
-            for name, tiny, directory in runs:
+            for name, settings, directory in runs:
+                if directory is not None and E * (L or 1) > 1024:
+                    continue  # an earlier align_tiny: a thread per bucket only
                 use_kernels(directory)
-                _dispatch.USE_TINY = tiny
-                times[name].append(graph_us(make_call(case, stream), stream))
+                for k, v in {**defaults, **settings}.items():
+                    setattr(_dispatch, k, v)
+                times.setdefault(name, []).append(graph_us(make_call(case, stream), stream))
         use_kernels(None)
-        _dispatch.USE_TINY = True
+        for k, v in defaults.items():
+            setattr(_dispatch, k, v)
         med = {n: statistics.median(v) for n, v in times.items()}
         report[str(case)] = {"median_us": med, "all_us": times}
-        print(f"{case!s:40s} " + " ".join(f"{med[n]:9.2f}" for n, _, _ in runs), flush=True)
+        print(f"{case!s:40s} " + " ".join(f"{med[n]:9.2f}" if n in med else f"{'-':>9s}"
+                                          for n, _, _ in runs), flush=True)
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
     return 0

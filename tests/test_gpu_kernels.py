@@ -165,8 +165,27 @@ def test_lora_single_block_without_tiny(E, T, variant, without_tiny):
     _lora_case(E, T, variant, False, salt=32)
 
 
+@pytest.fixture
+def tiny_four_buckets(monkeypatch):
+    """align_tiny with four buckets a thread wherever its block has fewer threads than
+    buckets (otherwise only above 1024 buckets), and its row-group sentinel fill."""
+    monkeypatch.setattr(mla._dispatch, "TINY_ONE_BUCKET_MAX", 0)
+
+
+@pytest.mark.parametrize("E,T", SINGLE_GRID + [(256, 16), (256, 255)])
+def test_base_tiny_four_buckets_a_thread(E, T, tiny_four_buckets):
+    _base_case(E, T, None, False, salt=33)
+
+
+@pytest.mark.parametrize("rows", [4, 16])
+@pytest.mark.parametrize("E,T", SINGLE_GRID + [(256, 16), (256, 255)])
+def test_lora_tiny_four_buckets_a_thread(E, T, rows, tiny_four_buckets):
+    _lora_case(E, T, None, False, salt=34, max_loras=rows)
+
+
 @pytest.mark.parametrize("E,T,rows", [(64, 1, 1), (257, 255, 1), (64, 255, 16), (1024, 3, 1),
-                                      (7, 3, 4), (256, 255, 4)])
+                                      (7, 3, 4), (256, 255, 4), (256, 1, 16), (256, 16, 16),
+                                      (1024, 3, 4)])
 def test_decode_sizes_run_the_tiny_kernel(E, T, rows):
     """The dispatcher's one-block choice at these sizes is align_tiny (its correctness is
     covered by the grids above, which run it wherever it fits)."""

@@ -76,7 +76,8 @@ def test_together_each_variant(T, E, K, B, L, variant, streams):
         _check(base, lora, ids, mapping, lora_ids, enabled, B, E, L)
 
 
-@pytest.mark.parametrize("T,E,K,B,L", SIZES[:2] + [(3, 7, 2, 1, 16), (64, 1024, 8, 16, 1)])
+@pytest.mark.parametrize("T,E,K,B,L", SIZES[:2] + [(3, 7, 2, 1, 16), (64, 1024, 8, 16, 1),
+                                       (16, 256, 8, 16, 16)])
 def test_fused_decode_with_and_without_tiny(T, E, K, B, L, monkeypatch):
     """The fused decode launch as two align_tiny blocks and as two align_single blocks."""
     ids, mapping, lora_ids, enabled = _inputs(T, E, K, L, seed=4)
