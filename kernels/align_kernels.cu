@@ -148,20 +148,23 @@ __global__ void align_pair(const Problem first, const Problem second) {
 #define TINY_ITEMS 4
 #define TINY_BUCKETS 4
 
-template <typename IdT>
-__device__ __forceinline__ void align_tiny_block(const Problem& p) {
+// PER: buckets a thread, a compile-time count so the one-bucket version carries no loop or
+// guard for the others.
+template <typename IdT, int PER>
+__device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
   __shared__ int warp_sums[32];
   const int nb = num_buckets(p), E = p.num_experts, tid = threadIdx.x;
   const int lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
-  // Buckets [first, first + per) are this thread's (the dispatcher keeps nb <= per * blockDim).
-  const int per = nb > (int)blockDim.x ? TINY_BUCKETS : 1, first = tid * per;
+  const int first = tid * PER;  // buckets [first, first + PER) are this thread's
   unsigned char* processed = dynamic_smem;
   int* starts = reinterpret_cast<int*>(dynamic_smem + row_region_bytes(p.rows));
   MLA_STAMP(0, 0);
   Route route[TINY_ITEMS];
 #pragma unroll
   for (int j = 0; j < TINY_ITEMS; ++j) route[j] = load_route<IdT>(p, j * blockDim.x + tid, p.numel);
-  for (int b = tid; b < nb; b += blockDim.x) starts[b] = 0;
+#pragma unroll
+  for (int q = 0; q < PER; ++q)
+    if (q * (int)blockDim.x + tid < nb) starts[q * blockDim.x + tid] = 0;
   mark_processed_rows(p, processed);
   // The sentinel fill of every written row, and -1 in all its tiles: fire-and-forget stores
   // that drain while the block counts (routes and tile owners overwrite them after the
@@ -210,10 +213,10 @@ __device__ __forceinline__ void align_tiny_block(const Problem& p) {
 
   // Padded exclusive scan, this thread's buckets in this thread: warp scan of the threads'
   // sums, then every warp scans the warp totals itself (no serial phase of warp 0).
-  int padded[TINY_BUCKETS], sum = 0;
+  int padded[PER], sum = 0;
 #pragma unroll
-  for (int q = 0; q < TINY_BUCKETS; ++q) {
-    padded[q] = q < per && first + q < nb ? padded_count(p, starts[first + q]) : 0;
+  for (int q = 0; q < PER; ++q) {
+    padded[q] = first + q < nb ? padded_count(p, starts[first + q]) : 0;
     sum += padded[q];
   }
   int x = sum;
@@ -232,13 +235,13 @@ __device__ __forceinline__ void align_tiny_block(const Problem& p) {
   }
   const int before = __shfl_sync(MLA_FULL_MASK, w, (warp + 31) & 31);  // warps before this one
   const int total = __shfl_sync(MLA_FULL_MASK, w, nwarps - 1);
-  int start[TINY_BUCKETS];
+  int start[PER];
   start[0] = x - sum + (warp > 0 ? before : 0);
 #pragma unroll
-  for (int q = 1; q < TINY_BUCKETS; ++q) start[q] = start[q - 1] + padded[q - 1];
+  for (int q = 1; q < PER; ++q) start[q] = start[q - 1] + padded[q - 1];
 #pragma unroll
-  for (int q = 0; q < TINY_BUCKETS; ++q)  // each thread overwrites only the counts it read
-    if (q < per && first + q < nb) starts[first + q] = start[q];
+  for (int q = 0; q < PER; ++q)  // each thread overwrites only the counts it read
+    if (first + q < nb) starts[first + q] = start[q];
   if (tid == 0) starts[nb] = total;
   __syncthreads();
   MLA_STAMP(0, 3);
@@ -249,7 +252,7 @@ __device__ __forceinline__ void align_tiny_block(const Problem& p) {
       p.sorted_ids[output_index(p, starts, bucket[j], rank[j])] = j * blockDim.x + tid;
   // Tiles of this thread's buckets (only processed rows have counts).
 #pragma unroll
-  for (int q = 0; q < TINY_BUCKETS; ++q) {
+  for (int q = 0; q < PER; ++q) {
     if (padded[q] == 0) continue;
     const int b = first + q, r = row_of(p, b);
     int value = b - r * E;
@@ -266,6 +269,13 @@ __device__ __forceinline__ void align_tiny_block(const Problem& p) {
   __syncthreads();
   MLA_STAMP(0, 5);
 #endif
+}
+
+// The dispatcher keeps nb <= TINY_BUCKETS * blockDim.
+template <typename IdT>
+__device__ __forceinline__ void align_tiny_block(const Problem& p) {
+  if (num_buckets(p) > (int)blockDim.x) align_tiny_buckets<IdT, TINY_BUCKETS>(p);
+  else align_tiny_buckets<IdT, 1>(p);
 }
 
 template <typename IdT>

@@ -107,20 +107,26 @@ def single_block_threads(numel: int, out_entries: int, num_buckets: int = 0) -> 
 TINY_ITEMS = 4                # kernels/align_kernels.cu: TINY_ITEMS (align_tiny's routes a thread)
 TINY_BUCKETS = 4              # kernels/align_kernels.cu: TINY_BUCKETS (its buckets a thread when
                               #   there are more buckets than threads)
-TINY_ONE_BUCKET_MAX = BLOCK   # up to this many buckets align_tiny has a thread per bucket
+# Up to this many buckets align_tiny has a thread per bucket, above it one per TINY_BUCKETS
+# (results/r18-47a2a42/tiny.txt, graph µs, a thread per bucket vs one per four: LoRA T=16
+# E=64 x 16 slots, 1024 buckets, 5.55 vs 5.15; T=16 E=128 x 4 slots, 512 buckets, 4.08 vs
+# 4.16; base T=1 E=512 3.05 vs 3.02).
+TINY_ONE_BUCKET_MAX = 512
 USE_TINY = True               # scripts/tiny_experiment.py switches it off to time align_single
 
 
 def tiny_block_threads(numel: int, out_entries: int, num_buckets: int):
     """Threads of align_tiny (a multiple of 32): one per bucket up to TINY_ONE_BUCKET_MAX
     buckets, else one per TINY_BUCKETS buckets; one route each up to ONE_ROUTE_PER_THREAD
-    routes, at most TINY_ITEMS; at most ENTRIES_PER_THREAD entries of the fill. None where
-    one block of BLOCK threads is not enough. The kernel gives each thread TINY_BUCKETS
-    buckets exactly when there are more buckets than threads."""
+    routes, at most TINY_ITEMS; ENTRIES_PER_THREAD entries of the fill each, or all BLOCK
+    threads for larger fills. None where one block cannot hold the routes or the buckets.
+    The kernel gives each thread TINY_BUCKETS buckets exactly when there are more buckets
+    than threads."""
     bucket_threads = (num_buckets if num_buckets <= TINY_ONE_BUCKET_MAX
                       else _ceil_div(num_buckets, TINY_BUCKETS))
     need = max(32, bucket_threads, min(numel, ONE_ROUTE_PER_THREAD),
-               _ceil_div(numel, TINY_ITEMS), _ceil_div(out_entries, ENTRIES_PER_THREAD))
+               _ceil_div(numel, TINY_ITEMS),
+               min(_ceil_div(out_entries, ENTRIES_PER_THREAD), BLOCK))
     block = _ceil_div(need, 32) * 32
     return block if block <= BLOCK else None
 

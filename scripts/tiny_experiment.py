@@ -4,7 +4,8 @@
 
 Every case is timed with graph replay (moe_lora_align.bench.graph_us) under each of RUNS'
 dispatcher settings: align_tiny as dispatched ("tiny"), align_tiny with four buckets a
-thread wherever its block has fewer threads than buckets ("tiny4"), align_single
+thread wherever its block has fewer threads than buckets ("tiny4") and with a thread per
+bucket up to 1024 buckets ("tiny1"), align_single
 ("single"), and the dispatcher's default but with one block up to any fill size ("no
 coop": the cooperative launch otherwise takes the largest LoRA fills). With ``--baseline``
 also align_tiny compiled from the kernel sources in DIR (an earlier commit's ``kernels/``,
@@ -77,6 +78,7 @@ def make_call(case, stream):
 
 RUNS = [  # name, dispatcher settings, kernel sources (None: the package's)
     ("tiny", {}, None), ("tiny4", {"TINY_ONE_BUCKET_MAX": 0}, None),
+    ("tiny1", {"TINY_ONE_BUCKET_MAX": 1024}, None),
     ("single", {"USE_TINY": False}, None),
     ("no coop", {"COOP_OVER_SINGLE_ENTRIES": 1 << 30}, None)]
 
@@ -99,7 +101,7 @@ def main():
     report = {}
     runs = list(RUNS)
     if args.baseline:
-        runs.append(("base tiny", {}, args.baseline.resolve()))
+        runs.append(("base tiny", {"TINY_ONE_BUCKET_MAX": 1024}, args.baseline.resolve()))
     defaults = {k: getattr(_dispatch, k) for _, s, _ in runs for k in s}
     print(f"{'case':40s} " + " ".join(f"{n:>9s}" for n, _, _ in runs)
           + "   (graph us, median of 3 in turn)")
