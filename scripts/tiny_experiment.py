@@ -1,6 +1,6 @@
 """align_tiny against align_single at decode sizes, in one process (GPU machine).
 
-  python3 scripts/tiny_experiment.py [--json PATH] [--baseline DIR]
+  python3 scripts/tiny_experiment.py [--json PATH] [--baseline DIR] [--variant NAME=DIR]...
 
 Every case is timed with graph replay (moe_lora_align.bench.graph_us) under each of RUNS'
 dispatcher settings: align_tiny as dispatched ("tiny"), align_tiny with four buckets a
@@ -9,8 +9,10 @@ bucket up to 1024 buckets ("tiny1"), align_single
 ("single"), and the dispatcher's default but with one block up to any fill size ("no
 coop": the cooperative launch otherwise takes the largest LoRA fills). With ``--baseline``
 also align_tiny compiled from the kernel sources in DIR (an earlier commit's ``kernels/``,
-cases it can run: a thread per bucket). Runs take turns, three times, so drift hits all;
-each result is checked against the NumPy backend first.
+cases it can run: a thread per bucket), and with each ``--variant`` the kernel sources in
+DIR under the default dispatcher but a thread per bucket up to 1024 buckets (NAME=DIR:1:
+sources that have only that). Runs take turns, three times, so drift hits all; each result
+is checked against the NumPy backend first.
 """
 from __future__ import annotations
 
@@ -76,11 +78,12 @@ def make_call(case, stream):
     return fn
 
 
-RUNS = [  # name, dispatcher settings, kernel sources (None: the package's)
-    ("tiny", {}, None), ("tiny4", {"TINY_ONE_BUCKET_MAX": 0}, None),
-    ("tiny1", {"TINY_ONE_BUCKET_MAX": 1024}, None),
-    ("single", {"USE_TINY": False}, None),
-    ("no coop", {"COOP_OVER_SINGLE_ENTRIES": 1 << 30}, None)]
+ONE = {"TINY_ONE_BUCKET_MAX": 1024}
+RUNS = [  # name, dispatcher settings, kernel sources (None: the package's), one bucket a
+          # thread only
+    ("tiny", {}, None, False), ("tiny4", {"TINY_ONE_BUCKET_MAX": 0}, None, False),
+    ("tiny1", ONE, None, False), ("single", {"USE_TINY": False}, None, False),
+    ("no coop", {"COOP_OVER_SINGLE_ENTRIES": 1 << 30}, None, False)]
 
 _KERNEL_DIR = _kernels.kernel_dir
 
@@ -96,22 +99,29 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", type=Path)
     ap.add_argument("--baseline", type=Path, help="kernel sources of an earlier commit")
+    ap.add_argument("--variant", action="append", default=[], help="NAME=DIR[:1]")
+    ap.add_argument("--runs", help="comma-separated names of RUNS to keep (default: all)")
     args = ap.parse_args()
     stream = cupy.cuda.Stream(non_blocking=True)
     report = {}
-    runs = list(RUNS)
+    keep = args.runs.split(",") if args.runs else [r[0] for r in RUNS]
+    runs = [r for r in RUNS if r[0] in keep]
+    for v in args.variant:
+        name, spec = v.split("=", 1)
+        directory, _, one = spec.partition(":")
+        runs.append((name, ONE, Path(directory).resolve(), one == "1"))
     if args.baseline:
-        runs.append(("base tiny", {"TINY_ONE_BUCKET_MAX": 1024}, args.baseline.resolve()))
-    defaults = {k: getattr(_dispatch, k) for _, s, _ in runs for k in s}
-    print(f"{'case':40s} " + " ".join(f"{n:>9s}" for n, _, _ in runs)
+        runs.append(("base tiny", ONE, args.baseline.resolve(), True))
+    defaults = {k: getattr(_dispatch, k) for _, s, _, _ in runs for k in s}
+    print(f"{'case':40s} " + " ".join(f"{n:>9s}" for n, _, _, _ in runs)
           + "   (graph us, median of 3 in turn)")
     for case in CASES:
         op, T, E, K, B, L = case
         times = {}
         for _ in range(3):
-            for name, settings, directory in runs:
-                if directory is not None and E * (L or 1) > 1024:
-                    continue  # an earlier align_tiny: a thread per bucket only
+            for name, settings, directory, one_only in runs:
+                if one_only and E * (L or 1) > 1024:
+                    continue  # kernels with a thread per bucket only
                 use_kernels(directory)
                 for k, v in {**defaults, **settings}.items():
                     setattr(_dispatch, k, v)
@@ -122,7 +132,7 @@ def main():
         med = {n: statistics.median(v) for n, v in times.items()}
         report[str(case)] = {"median_us": med, "all_us": times}
         print(f"{case!s:40s} " + " ".join(f"{med[n]:9.2f}" if n in med else f"{'-':>9s}"
-                                          for n, _, _ in runs), flush=True)
+                                          for n, _, _, _ in runs), flush=True)
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
     return 0
