@@ -168,28 +168,30 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
   mark_processed_rows(p, processed);
   // The sentinel fill of every written row, and -1 in all its tiles: fire-and-forget stores
   // that drain while the block counts (routes and tile owners overwrite them after the
-  // barriers below, so nothing is left to write past the totals at the end). A row is filled
-  // by a group of nwarps / rows warps (one warp a row when rows >= nwarps): a loop over all
-  // rows in every thread cost 16-slot LoRA more instructions than stores.
+  // barriers below, so nothing is left to write past the totals at the end).
   const int4 sentinel = make_int4(p.numel, p.numel, p.numel, p.numel);
   const bool vec = ((p.sorted_pitch & 3) == 0) &&
                    ((reinterpret_cast<unsigned long long>(p.sorted_ids) & 15) == 0);
   const int units = vec ? (p.padded_len >> 2) : 0;
-  int group = nwarps, row0 = 0, row_step = 1;  // base: every warp on the one row
-  if (p.rows > 1) {
-    group = p.rows >= nwarps ? 1 : nwarps / p.rows;  // warps per row
-    row0 = warp / group;  // a last, incomplete group gets row0 >= rows: it idles
-    row_step = nwarps / group;
-  }
-  const int t = tid - row0 * group * 32, stride = 32 * group;
-#pragma unroll 1
-  for (int r = row0; r < p.rows; r += row_step) {
-    if (!row_written(p, processed, r)) continue;
+  const auto fill_row = [&](int r, int from, int step) {
+    if (!row_written(p, processed, r)) return;
     int* row = p.sorted_ids + (long long)r * p.sorted_pitch;
 #pragma unroll 1
-    for (int k = t; k < units; k += stride) reinterpret_cast<int4*>(row)[k] = sentinel;
+    for (int k = from; k < units; k += step) reinterpret_cast<int4*>(row)[k] = sentinel;
 #pragma unroll 1
-    for (int k = 4 * units + t; k < p.padded_len; k += stride) row[k] = p.numel;
+    for (int k = 4 * units + from; k < p.padded_len; k += step) row[k] = p.numel;
+  };
+  if (p.rows > 1 && 2 * (vec ? units : p.padded_len) <= (int)blockDim.x) {
+    // Short rows: a group of nwarps / rows warps fills each (one warp a row when rows >=
+    // nwarps); all rows in every thread would leave most threads idle on every row.
+    const int group = p.rows >= nwarps ? 1 : nwarps / p.rows;
+    const int row0 = warp / group;  // a last, incomplete group gets row0 >= rows: it idles
+#pragma unroll 1
+    for (int r = row0; r < p.rows; r += nwarps / group)
+      fill_row(r, tid - row0 * group * 32, 32 * group);
+  } else {
+#pragma unroll 1
+    for (int r = 0; r < p.rows; ++r) fill_row(r, tid, blockDim.x);
   }
   // Tiles as one flat range over the rows (few per row).
 #pragma unroll 1
@@ -278,14 +280,15 @@ __device__ __forceinline__ void align_tiny_block(const Problem& p) {
   else align_tiny_buckets<IdT, 1>(p);
 }
 
+// (1024, 1): with (1024) alone NVRTC 13.0 gave align_tiny<short> 32 registers on sm_80, and spills.
 template <typename IdT>
-__global__ void __launch_bounds__(1024) align_tiny(const Problem p) {
+__global__ void __launch_bounds__(1024, 1) align_tiny(const Problem p) {
   align_tiny_block<IdT>(p);
 }
 
 // Base and LoRA alignment in one launch of two tiny blocks (block 0: `first`).
 template <typename IdT>
-__global__ void __launch_bounds__(1024) align_tiny_pair(const Problem first, const Problem second) {
+__global__ void __launch_bounds__(1024, 1) align_tiny_pair(const Problem first, const Problem second) {
   align_tiny_block<IdT>(blockIdx.x == 0 ? first : second);
 }
 

@@ -4,8 +4,7 @@
 
 Every case is timed with graph replay (moe_lora_align.bench.graph_us) under each of RUNS'
 dispatcher settings: align_tiny as dispatched ("tiny"), align_tiny with four buckets a
-thread wherever its block has fewer threads than buckets ("tiny4") and with a thread per
-bucket up to 1024 buckets ("tiny1"), align_single
+thread wherever its block has fewer threads than buckets ("tiny4"), align_single
 ("single"), and the dispatcher's default but with one block up to any fill size ("no
 coop": the cooperative launch otherwise takes the largest LoRA fills). With ``--baseline``
 also align_tiny compiled from the kernel sources in DIR (an earlier commit's ``kernels/``,
@@ -82,7 +81,7 @@ ONE = {"TINY_ONE_BUCKET_MAX": 1024}
 RUNS = [  # name, dispatcher settings, kernel sources (None: the package's), one bucket a
           # thread only
     ("tiny", {}, None, False), ("tiny4", {"TINY_ONE_BUCKET_MAX": 0}, None, False),
-    ("tiny1", ONE, None, False), ("single", {"USE_TINY": False}, None, False),
+    ("single", {"USE_TINY": False}, None, False),
     ("no coop", {"COOP_OVER_SINGLE_ENTRIES": 1 << 30}, None, False)]
 
 _KERNEL_DIR = _kernels.kernel_dir

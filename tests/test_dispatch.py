@@ -136,11 +136,11 @@ def test_single_block_size_follows_the_work(numel, entries, buckets, threads, mo
 @pytest.mark.parametrize("numel,entries,buckets,threads", [
     (1, 0, 1, 32), (8, 128, 8, 32), (8, 0, 64, 64), (8, 0, 257, 288), (128, 0, 64, 128),
     (512, 0, 64, 512), (2048, 0, 256, 512), (2560, 10240 + 640, 512, 640),
-    (4096, 0, 64, 1024), (8, 0, 512, 512), (8, 0, 513, 160), (8, 0, 1024, 256),
+    (4096, 0, 64, 1024), (8, 0, 512, 512), (8, 0, 1024, 1024), (8, 0, 1025, 288),
     (8, 64 * 1024, 64, 1024), (8, 10**6, 64, 1024), (128, 0, 16 * 256, 1024),
     (8, 0, 16 * 64 + 4, 288)])
 def test_tiny_block_has_a_thread_per_bucket(numel, entries, buckets, threads):
-    """align_tiny: a multiple of 32 threads, one per bucket up to 512 buckets (then one per
+    """align_tiny: a multiple of 32 threads, one per bucket up to 1024 buckets (then one per
     four), one route each up to 512, at most four, 64 fill entries each up to 1024 threads."""
     assert d.tiny_block_threads(numel, entries, buckets) == threads
     launch = d.choose_launch(numel, buckets, 1, NO_COOP, out_entries=entries)
