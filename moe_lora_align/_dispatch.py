@@ -108,9 +108,9 @@ TINY_ITEMS = 4                # kernels/align_kernels.cu: TINY_ITEMS (align_tiny
 TINY_BUCKETS = 4              # kernels/align_kernels.cu: TINY_BUCKETS (its buckets a thread when
                               #   there are more buckets than threads)
 # Up to this many buckets align_tiny has a thread per bucket, above it one per TINY_BUCKETS
-# (results/r18-e9394bf/tiny_variants_907f287.txt, graph µs, a thread per bucket vs one per four, 1024
-# buckets: LoRA T=16 E=64 x 16 slots 5.03 vs 5.23, T=256 8.93 vs 9.45; LoRA T=256 E=256 x 4
-# slots 8.29 vs 8.84). scripts/tiny_experiment.py changes it.
+# (results/r18-e9394bf/tiny_variants_907f287.txt, graph µs, a thread per bucket vs one per
+# four, 1024 buckets: LoRA T=16 E=64 x 16 slots 5.03 vs 5.23, T=256 8.93 vs 9.45; LoRA T=256
+# E=256 x 4 slots 8.29 vs 8.84). scripts/tiny_experiment.py changes it.
 TINY_ONE_BUCKET_MAX = BLOCK
 USE_TINY = True               # scripts/tiny_experiment.py switches it off to time align_single
 
