@@ -102,11 +102,37 @@ __device__ __forceinline__ int row_region_bytes(int rows) {
   return ((((rows + 3) & ~3) + 4 * (rows + 1)) + 15) & ~15;
 }
 
+__device__ __forceinline__ unsigned warp_or(unsigned v) {
+#if __CUDA_ARCH__ >= 800
+  return __reduce_or_sync(MLA_FULL_MASK, v);
+#else
+  for (int d = 16; d > 0; d >>= 1) v |= __shfl_xor_sync(MLA_FULL_MASK, v, d);
+  return v;
+#endif
+}
+
 // processed[r] = 1 for every row this call aligns: listed in lora_ids (or no list) and
-// enabled. Both arrays are read in one round trip; the list is then searched in shared memory.
+// enabled. Up to 32 rows one warp does it with one round trip of loads and one barrier: the
+// list becomes a bit mask of rows (an OR over the lanes), so no row searches it. More rows:
+// both arrays are read in one round trip, and the list is searched in shared memory.
 __device__ void mark_processed_rows(const Problem& p, unsigned char* processed) {
-  int* slots = reinterpret_cast<int*>(processed + ((p.rows + 3) & ~3));
   const int listed = p.lora_ids == nullptr ? 0 : min(p.lora_ids_len, p.rows + 1);
+  if (p.rows <= 32) {
+    if (threadIdx.x < 32) {
+      const int lane = threadIdx.x;
+      // listed <= 33: at most two entries a lane, both loaded at once
+      const int s0 = lane < listed ? p.lora_ids[lane] : -1;
+      const int s1 = lane + 32 < listed ? p.lora_ids[lane + 32] : -1;
+      const bool on = lane < p.rows && adapter_on(p, lane);
+      const unsigned mine = (s0 >= 0 && s0 < p.rows ? 1u << s0 : 0u) |
+                            (s1 >= 0 && s1 < p.rows ? 1u << s1 : 0u);
+      const unsigned rows_listed = listed > 0 ? warp_or(mine) : MLA_FULL_MASK;
+      if (lane < p.rows) processed[lane] = on && ((rows_listed >> lane) & 1u);
+    }
+    __syncthreads();
+    return;
+  }
+  int* slots = reinterpret_cast<int*>(processed + ((p.rows + 3) & ~3));
   for (int k = threadIdx.x; k < max(p.rows, listed); k += blockDim.x) {
     const bool on = k < p.rows && adapter_on(p, k);
     if (k < listed) slots[k] = p.lora_ids[k];

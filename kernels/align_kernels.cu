@@ -143,14 +143,37 @@ __global__ void align_pair(const Problem first, const Problem second) {
 // ~1000 cycles in align_single), so this version has no divisions in its loops, a two-barrier
 // scan whose result stays in each bucket's thread, tiles written by their bucket's thread
 // instead of a binary search per tile, and every fill issued before counting.
-// Non-deterministic only.
-// After the row region: starts[nb + 1] ints (counts first, then the padded scan in place).
+// DET: ranks in flat-index order. Warp w owns routes [w * items * 32, (w + 1) * items * 32),
+// items = 1, 2 or 4 routes a lane (the fewest that cover the routes); ranks within the warp
+// come in lane order (claim_in_lane_order into the warp's own counters), and each bucket's
+// thread turns its column of warp counts into a prefix over the warps before the scan.
+// After the row region: starts[nb + 1] ints (counts first, then the padded scan in place) |
+// DET: warp_counts[route_warps * stride] ushort, stride = nb rounded up to even.
 #define TINY_ITEMS 4
 #define TINY_BUCKETS 4
 
+// Deterministic counts of one bucket: its column of the warps' counters (stride apart) becomes
+// the exclusive prefix over the warps, and the total comes back. Loads are issued eight at a
+// time, ahead of the stores, so the column costs a few round trips, not one a warp.
+__device__ __forceinline__ int prefix_over_warps(unsigned short* column, int stride, int warps) {
+  int run = 0;
+#pragma unroll 1
+  for (int w0 = 0; w0 < warps; w0 += 8) {
+    int c[8];
+#pragma unroll
+    for (int u = 0; u < 8; ++u) c[u] = w0 + u < warps ? column[(w0 + u) * stride] : 0;
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      if (w0 + u < warps) column[(w0 + u) * stride] = (unsigned short)run;
+      run += c[u];
+    }
+  }
+  return run;
+}
+
 // PER: buckets a thread, a compile-time count so the one-bucket version carries no loop or
 // guard for the others.
-template <typename IdT, int PER>
+template <typename IdT, int PER, bool DET>
 __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
   __shared__ int warp_sums[32];
   const int nb = num_buckets(p), E = p.num_experts, tid = threadIdx.x;
@@ -158,13 +181,28 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
   const int first = tid * PER;  // buckets [first, first + PER) are this thread's
   unsigned char* processed = dynamic_smem;
   int* starts = reinterpret_cast<int*>(dynamic_smem + row_region_bytes(p.rows));
+  // DET: routes a lane (1, 2 or 4, so log2 is items >> 1), warps holding routes, counters.
+  const int bd = blockDim.x;
+  const int items = !DET ? TINY_ITEMS : p.numel <= bd ? 1 : p.numel <= 2 * bd ? 2 : 4;
+  const int route_warps = DET ? (p.numel + (32 << (items >> 1)) - 1) >> (5 + (items >> 1)) : 0;
+  const int stride = (nb + 1) & ~1;
+  unsigned short* warp_counts = reinterpret_cast<unsigned short*>(starts + nb + 1);
+  const auto route_index = [&](int j) {
+    return DET ? (j < items ? (warp * items + j) * 32 + lane : p.numel) : j * bd + tid;
+  };
   MLA_STAMP(0, 0);
   Route route[TINY_ITEMS];
 #pragma unroll
-  for (int j = 0; j < TINY_ITEMS; ++j) route[j] = load_route<IdT>(p, j * blockDim.x + tid, p.numel);
+  for (int j = 0; j < TINY_ITEMS; ++j) route[j] = load_route<IdT>(p, route_index(j), p.numel);
+  if (DET) {  // the counts come from the warp counters, which start at zero
+    unsigned* words = reinterpret_cast<unsigned*>(warp_counts);
+#pragma unroll 1
+    for (int k = tid; k < (route_warps * stride) >> 1; k += bd) words[k] = 0;
+  } else {
 #pragma unroll
-  for (int q = 0; q < PER; ++q)
-    if (q * (int)blockDim.x + tid < nb) starts[q * blockDim.x + tid] = 0;
+    for (int q = 0; q < PER; ++q)
+      if (q * bd + tid < nb) starts[q * bd + tid] = 0;
+  }
   mark_processed_rows(p, processed);
   // The sentinel fill of every written row, and -1 in all its tiles: fire-and-forget stores
   // that drain while the block counts (routes and tile owners overwrite them after the
@@ -205,10 +243,11 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
   int bucket[TINY_ITEMS], rank[TINY_ITEMS];
 #pragma unroll
   for (int j = 0; j < TINY_ITEMS; ++j) {
-    const int i = j * blockDim.x + tid;
+    const int i = route_index(j);
     bucket[j] = bucket_of(p, route[j], processed);
     if (p.scatter_idx != nullptr && i < p.numel) p.scatter_idx[i] = bucket[j] >= 0 ? i : -1;
-    rank[j] = claim(starts, bucket[j]);
+    if (!DET) rank[j] = claim(starts, bucket[j]);
+    else if (j < items) rank[j] = claim_in_lane_order(warp_counts + warp * stride, bucket[j]);
   }
   __syncthreads();
   MLA_STAMP(0, 2);
@@ -218,7 +257,10 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
   int padded[PER], sum = 0;
 #pragma unroll
   for (int q = 0; q < PER; ++q) {
-    padded[q] = first + q < nb ? padded_count(p, starts[first + q]) : 0;
+    const int b = first + q;
+    const int count = b >= nb ? 0
+                      : DET ? prefix_over_warps(warp_counts + b, stride, route_warps) : starts[b];
+    padded[q] = b < nb ? padded_count(p, count) : 0;
     sum += padded[q];
   }
   int x = sum;
@@ -249,9 +291,11 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
   MLA_STAMP(0, 3);
 
 #pragma unroll
-  for (int j = 0; j < TINY_ITEMS; ++j)
-    if (bucket[j] >= 0)
-      p.sorted_ids[output_index(p, starts, bucket[j], rank[j])] = j * blockDim.x + tid;
+  for (int j = 0; j < TINY_ITEMS; ++j) {
+    if (bucket[j] < 0) continue;
+    const int r = DET ? rank[j] + warp_counts[warp * stride + bucket[j]] : rank[j];
+    p.sorted_ids[output_index(p, starts, bucket[j], r)] = route_index(j);
+  }
   // Tiles of this thread's buckets (only processed rows have counts).
 #pragma unroll
   for (int q = 0; q < PER; ++q) {
@@ -274,22 +318,22 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
 }
 
 // The dispatcher keeps nb <= TINY_BUCKETS * blockDim.
-template <typename IdT>
+template <typename IdT, bool DET>
 __device__ __forceinline__ void align_tiny_block(const Problem& p) {
-  if (num_buckets(p) > (int)blockDim.x) align_tiny_buckets<IdT, TINY_BUCKETS>(p);
-  else align_tiny_buckets<IdT, 1>(p);
+  if (num_buckets(p) > (int)blockDim.x) align_tiny_buckets<IdT, TINY_BUCKETS, DET>(p);
+  else align_tiny_buckets<IdT, 1, DET>(p);
 }
 
 // (1024, 1): with (1024) alone NVRTC 13.0 gave align_tiny<short> 32 registers on sm_80, and spills.
-template <typename IdT>
+template <typename IdT, bool DET>
 __global__ void __launch_bounds__(1024, 1) align_tiny(const Problem p) {
-  align_tiny_block<IdT>(p);
+  align_tiny_block<IdT, DET>(p);
 }
 
 // Base and LoRA alignment in one launch of two tiny blocks (block 0: `first`).
-template <typename IdT>
+template <typename IdT, bool DET>
 __global__ void __launch_bounds__(1024, 1) align_tiny_pair(const Problem first, const Problem second) {
-  align_tiny_block<IdT>(blockIdx.x == 0 ? first : second);
+  align_tiny_block<IdT, DET>(blockIdx.x == 0 ? first : second);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -131,17 +131,28 @@ def tiny_block_threads(numel: int, out_entries: int, num_buckets: int):
     return block if block <= BLOCK else None
 
 
-def _single_block(numel, num_buckets, rows, deterministic, limits, out_entries=0):
+def tiny_warp_counter_bytes(numel: int, block: int, num_buckets: int) -> int:
+    """Deterministic align_tiny's per-warp counters: a row of ``unsigned short`` (rounded up
+    to even) for each warp holding routes, at 1, 2 or 4 routes a lane (the fewest that cover
+    them; kernels/align_kernels.cu: align_tiny_buckets)."""
+    items = 1 if numel <= block else 2 if numel <= 2 * block else 4
+    return 2 * _ceil_div(numel, 32 * items) * (num_buckets + (num_buckets & 1))
+
+
+def _single_block(numel, num_buckets, rows, deterministic, limits, out_entries=0,
+                  use_tiny=True):
     if numel > SINGLE_BLOCK_MAX_ROUTES:
         return None
     base = 4 * (num_buckets + 1) + row_region_bytes(rows) + SMEM_SLACK
     block = single_block_threads(numel, out_entries, num_buckets)
+    tiny = tiny_block_threads(numel, out_entries, num_buckets) if USE_TINY and use_tiny else None
+    if tiny is not None:
+        smem = base + (tiny_warp_counter_bytes(numel, tiny, num_buckets) if deterministic else 0)
+        if smem <= limits.smem_optin:
+            return Launch("shared", "single", deterministic, tiny, smem_single=smem, tiny=True)
     if not deterministic:
         if base > limits.smem_optin:
             return None
-        tiny = tiny_block_threads(numel, out_entries, num_buckets) if USE_TINY else None
-        if tiny is not None:
-            return Launch("shared", "single", False, tiny, smem_single=base, tiny=True)
         return Launch("shared", "single", False, block, smem_single=base)
     # Deterministic: one unsigned short counter per (warp, bucket); fewer warps if they don't fit.
     for warps in (32, 16, 8, 4):
@@ -339,8 +350,21 @@ def choose_pair(numel: int, base_buckets: int, lora_buckets: int, rows: int,
     if base is None or lora is None:
         return None
     if base.tiny and lora.tiny:
-        return Launch("shared", "single", False, max(base.block, lora.block), grid=2,
-                      smem_single=max(base.smem_single, lora.smem_single), tiny=True)
+        block = max(base.block, lora.block)
+        smem = max(base.smem_single, lora.smem_single)
+        if deterministic:  # the counters follow the block: both sides at the larger one
+            smem = max(4 * (nb + 1) + row_region_bytes(r) + SMEM_SLACK
+                       + tiny_warp_counter_bytes(numel, block, nb)
+                       for nb, r in ((base_buckets, 1), (lora_buckets, rows)))
+        if smem <= limits.smem_optin:
+            return Launch("shared", "single", deterministic, block, grid=2, smem_single=smem,
+                          tiny=True)
+    if base.tiny or lora.tiny:  # two align_single blocks, each side sized for that kernel
+        base, lora = (_single_block(numel, nb, r, deterministic, limits, e, use_tiny=False)
+                      for nb, r, e in ((base_buckets, 1, out_entries // max(rows, 1)),
+                                       (lora_buckets, rows, out_entries)))
+        if base is None or lora is None:
+            return None
     block = lora.block if not deterministic else min(base.block, lora.block)
     warps = block // 32
     even = lambda n: n + (n & 1)  # noqa: E731  (per-warp counter rows are 4-byte aligned)

@@ -65,12 +65,12 @@ def kernel_names(dtype) -> dict:
         names[("single", det)] = f"align_single<{t}, {d}>"
         names[("pair", det)] = f"align_pair<{t}, {d}>"
         names[("cooperative", det)] = f"align_cooperative<{t}, {d}>"
+        names[("tiny", det)] = f"align_tiny<{t}, {d}>"
+        names[("tiny_pair", det)] = f"align_tiny_pair<{t}, {d}>"
     for mode in (0, 1, 2):
         names[("count", mode)] = f"align_count<{t}, {mode}>"
         names[("place", mode)] = f"align_place<{t}, {mode}>"
     names[("cooperative_pair", 0)] = f"align_cooperative_pair<{t}>"
-    names[("tiny", False)] = f"align_tiny<{t}>"
-    names[("tiny_pair", False)] = f"align_tiny_pair<{t}>"
     return names
 
 

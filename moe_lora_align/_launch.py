@@ -297,7 +297,7 @@ def launch_one(job: Job, launch: _dispatch.Launch, ws: Workspace, stream, device
                      device_limits(device_id).smem_optin)
     pack(job, launch, ws)
     if launch.kind == "single":
-        key = ("tiny", False) if launch.tiny else ("single", launch.deterministic)
+        key = ("tiny" if launch.tiny else "single", launch.deterministic)
         launch_kernel(ks, key, launch.grid, launch.block, launch.smem_single, stream, job)
         return
     if launch.kind == "cooperative":
@@ -337,7 +337,7 @@ def launch_pair(base: Job, lora: Job, launch, ws_base: Workspace, ws_lora: Works
     ws_lora.ensure(1, 0)
     pack(base, launch, ws_base)
     pack(lora, launch, ws_lora)
-    key = ("tiny_pair", False) if launch.tiny else ("pair", launch.deterministic)
+    key = ("tiny_pair" if launch.tiny else "pair", launch.deterministic)
     launch_kernel(ks, key, 2, launch.block, launch.smem_single, stream, base, lora)
 
 

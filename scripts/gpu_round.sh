@@ -32,7 +32,7 @@ if [ "$MODE" != "bench" ]; then
   step "racecheck"
   timeout ${RACECHECK_S:-240} compute-sanitizer --tool racecheck --racecheck-report hazard --error-exitcode 9 --print-limit 20 \
     python3 -m pytest tests/test_gpu_kernels.py -q -x -p no:cacheprovider \
-    -k "(test_base or test_lora) and (-3- or -255- or -4096-) and not many_buckets" 2>&1 | tee "$OUT/racecheck.log" | tail -8
+    -k "${RACE_K:-(test_base or test_lora) and (-3- or -255- or -4096-) and not many_buckets}" 2>&1 | tee "$OUT/racecheck.log" | tail -8
   echo "racecheck rc=${PIPESTATUS[0]}"
 fi
 

@@ -6,7 +6,9 @@ Every case is timed with graph replay (moe_lora_align.bench.graph_us) under each
 dispatcher settings: align_tiny as dispatched ("tiny"), align_tiny with four buckets a
 thread wherever its block has fewer threads than buckets ("tiny4"), align_single
 ("single"), and the dispatcher's default but with one block up to any fill size ("no
-coop": the cooperative launch otherwise takes the largest LoRA fills). With ``--baseline``
+coop": the cooperative launch otherwise takes the largest LoRA fills), and
+``deterministic=True`` through align_tiny ("det") and through align_single ("det single").
+With ``--baseline``
 also align_tiny compiled from the kernel sources in DIR (an earlier commit's ``kernels/``,
 cases it can run: a thread per bucket), and with each ``--variant`` the kernel sources in
 DIR under the default dispatcher but a thread per bucket up to 1024 buckets (NAME=DIR:1:
@@ -42,14 +44,14 @@ CASES = [  # op, T, E, K, B, L
 ]
 
 
-def make_call(case, stream):
+def make_call(case, stream, det=False):
     """A checked callable of one case through the public paths (plans for base and pair)."""
     op, T, E, K, B, L = case
     rng = np.random.default_rng(T * 7 + E)
     ids = routing(rng, T, K, E, "uniform")
     d_ids = cupy.asarray(ids)
     if op == "base":
-        plan = mla.AlignPlan(T, K, E, B)
+        plan = mla.AlignPlan(T, K, E, B, deterministic=det)
         fn = lambda: plan(d_ids, stream=stream)  # noqa: E731
         checks = [(lambda r: r, mla.moe_align_block_size(ids, B, E), lambda: _starts(ids, E, B))]
     else:
@@ -58,7 +60,7 @@ def make_call(case, stream):
         ref_l = mla.moe_lora_align_block_size(ids, mapping, B, E, L, lora_ids=lora_ids)
         lora_check = (lambda r: r, ref_l, lambda: _starts(ids, E, B, L, mapping))
         if op == "pair":
-            plan = mla.AlignPlan(T, K, E, B, max_loras=L)
+            plan = mla.AlignPlan(T, K, E, B, max_loras=L, deterministic=det)
             fn = lambda: plan(d_ids, dm, lora_ids=dl, stream=stream)  # noqa: E731
             checks = [(lambda r: r[0], mla.moe_align_block_size(ids, B, E),
                        lambda: _starts(ids, E, B)), (lambda r: r[1],) + lora_check[1:]]
@@ -67,22 +69,28 @@ def make_call(case, stream):
             out = [cupy.full((L, P), T * K, np.int32), cupy.full((L, M), -1, np.int32),
                    cupy.zeros(L, np.int32)]
             fn = lambda: mla.moe_lora_align_block_size(  # noqa: E731
-                d_ids, dm, B, E, L, lora_ids=dl, out=out, stream=stream)
+                d_ids, dm, B, E, L, lora_ids=dl, out=out, stream=stream, deterministic=det)
             checks = [lora_check]
     with stream:
         res = fn()
     stream.synchronize()
     for pick, ref, starts in checks:
-        check_against_numpy(pick(res), ref, starts)
+        if det:  # ranks in flat-index order: every entry as the NumPy backend's
+            if not all(np.array_equal(cupy.asnumpy(g), np.asarray(r))
+                       for g, r in zip(pick(res), ref)):
+                raise AssertionError("deterministic result differs from the NumPy backend")
+        else:
+            check_against_numpy(pick(res), ref, starts)
     return fn
 
 
 ONE = {"TINY_ONE_BUCKET_MAX": 1024}
 RUNS = [  # name, dispatcher settings, kernel sources (None: the package's), one bucket a
-          # thread only
-    ("tiny", {}, None, False), ("tiny4", {"TINY_ONE_BUCKET_MAX": 0}, None, False),
-    ("single", {"USE_TINY": False}, None, False),
-    ("no coop", {"COOP_OVER_SINGLE_ENTRIES": 1 << 30}, None, False)]
+          # thread only, deterministic
+    ("tiny", {}, None, False, False), ("tiny4", {"TINY_ONE_BUCKET_MAX": 0}, None, False, False),
+    ("single", {"USE_TINY": False}, None, False, False),
+    ("no coop", {"COOP_OVER_SINGLE_ENTRIES": 1 << 30}, None, False, False),
+    ("det", {}, None, False, True), ("det single", {"USE_TINY": False}, None, False, True)]
 
 _KERNEL_DIR = _kernels.kernel_dir
 
@@ -108,30 +116,31 @@ def main():
     for v in args.variant:
         name, spec = v.split("=", 1)
         directory, _, one = spec.partition(":")
-        runs.append((name, ONE, Path(directory).resolve(), one == "1"))
+        runs.append((name, ONE, Path(directory).resolve(), one == "1", False))
     if args.baseline:
-        runs.append(("base tiny", ONE, args.baseline.resolve(), True))
-    defaults = {k: getattr(_dispatch, k) for _, s, _, _ in runs for k in s}
-    print(f"{'case':40s} " + " ".join(f"{n:>9s}" for n, _, _, _ in runs)
+        runs.append(("base tiny", ONE, args.baseline.resolve(), True, False))
+    defaults = {k: getattr(_dispatch, k) for _, s, _, _, _ in runs for k in s}
+    print(f"{'case':40s} " + " ".join(f"{n:>10s}" for n, _, _, _, _ in runs)
           + "   (graph us, median of 3 in turn)")
     for case in CASES:
         op, T, E, K, B, L = case
         times = {}
         for _ in range(3):
-            for name, settings, directory, one_only in runs:
+            for name, settings, directory, one_only, det in runs:
                 if one_only and E * (L or 1) > 1024:
                     continue  # kernels with a thread per bucket only
                 use_kernels(directory)
                 for k, v in {**defaults, **settings}.items():
                     setattr(_dispatch, k, v)
-                times.setdefault(name, []).append(graph_us(make_call(case, stream), stream))
+                times.setdefault(name, []).append(
+                    graph_us(make_call(case, stream, det), stream))
         use_kernels(None)
         for k, v in defaults.items():
             setattr(_dispatch, k, v)
         med = {n: statistics.median(v) for n, v in times.items()}
         report[str(case)] = {"median_us": med, "all_us": times}
-        print(f"{case!s:40s} " + " ".join(f"{med[n]:9.2f}" if n in med else f"{'-':>9s}"
-                                          for n, _, _, _ in runs), flush=True)
+        print(f"{case!s:40s} " + " ".join(f"{med[n]:10.2f}" if n in med else f"{'-':>10s}"
+                                          for n, _, _, _, _ in runs), flush=True)
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
     return 0

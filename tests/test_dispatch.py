@@ -164,14 +164,41 @@ def test_tiny_threshold_of_one_bucket_a_thread(monkeypatch):
     assert d.tiny_block_threads(2048, 0, 512) == 512  # the routes want more: one a thread
 
 
-def test_tiny_is_never_deterministic_and_pairs_need_both_sides():
-    assert not d.choose_launch(8, 64, 1, H200, deterministic=True).tiny
+def test_tiny_pairs_need_both_sides():
     pair = d.choose_pair(8, 64, 4 * 64, 4, H200)
-    assert pair.tiny and pair.block == 256 and pair.grid == 2
+    assert pair.tiny and pair.block == 256 and pair.grid == 2 and not pair.deterministic
     pair = d.choose_pair(8, 64, 16 * 256, 16, H200)  # LoRA side: 4 buckets a thread
     assert pair.tiny and pair.block == 1024
     assert not d.choose_pair(8, 64, 16 * 257, 16, H200).tiny
-    assert not d.choose_pair(8, 64, 4 * 64, 4, H200, deterministic=True).tiny
+
+
+@pytest.mark.parametrize("numel,block,buckets,nbytes", [
+    (8, 64, 64, 2 * 64),              # one warp holds the routes, one a lane
+    (33, 64, 63, 2 * 2 * 64),         # two warps; rows rounded up to even
+    (1024, 1024, 256, 2 * 32 * 256),  # one route a lane: every warp
+    (1025, 1024, 256, 2 * 17 * 256),  # two a lane: 17 warps of 64 routes
+    (2049, 1024, 256, 2 * 17 * 256),  # four a lane: 17 warps of 128 routes
+    (4096, 1024, 4096, 2 * 32 * 4096)])
+def test_tiny_deterministic_counters(numel, block, buckets, nbytes):
+    assert d.tiny_warp_counter_bytes(numel, block, buckets) == nbytes
+
+
+def test_deterministic_decode_runs_tiny_where_its_counters_fit():
+    launch = d.choose_launch(8, 64, 1, H200, deterministic=True)
+    base = 4 * 65 + d.row_region_bytes(1) + d.SMEM_SLACK
+    assert launch.tiny and launch.deterministic and launch.block == 64
+    assert launch.smem_single == base + 2 * 64
+    # 2048 routes over 16 x 256 buckets: 32 warps of counters need 256 KB, align_single's
+    # fewer warps fit.
+    launch = d.choose_launch(2048, 16 * 256, 16, NO_COOP, deterministic=True)
+    assert launch.kind == "single" and launch.deterministic and not launch.tiny
+    pair = d.choose_pair(8, 64, 4 * 64, 4, H200, deterministic=True)
+    assert pair.tiny and pair.deterministic and pair.block == 256
+    assert pair.smem_single == (4 * 257 + d.row_region_bytes(4) + d.SMEM_SLACK
+                                + d.tiny_warp_counter_bytes(8, 256, 256))
+    # A side whose counters do not fit: both sides on align_single, warps for the smaller.
+    pair = d.choose_pair(2048, 64, 16 * 256, 16, NO_COOP, deterministic=True)
+    assert not pair.tiny and pair.deterministic
 
 
 def test_fill_blocks_join_the_count_kernel():

@@ -27,8 +27,10 @@ def _case_params(E, T, salt):
     return rng, K, B, dtype, kind
 
 
-def _base_case(E, T, variant, deterministic, salt, *, expert_map_mode=None, scatter=False):
+def _base_case(E, T, variant, deterministic, salt, *, expert_map_mode=None, scatter=False,
+               topk=None):
     rng, K, B, dtype, kind = _case_params(E, T, salt)
+    K = topk or K
     ids = make_routing(rng, T, K, E, dtype, kind)
     emap = None
     if expert_map_mode is not None:
@@ -62,8 +64,9 @@ def _base_case(E, T, variant, deterministic, salt, *, expert_map_mode=None, scat
 
 
 def _lora_case(E, T, variant, deterministic, salt, *, max_loras=None, with_ids=True,
-               disabled=1, allocate=False, use_map=False):
+               disabled=1, allocate=False, use_map=False, topk=None):
     rng, K, B, dtype, kind = _case_params(E, T, salt)
+    K = topk or K
     if max_loras is None:
         max_loras = (1, 4, 16)[(E + T + salt) % 3]
     ids = make_routing(rng, T, K, E, dtype, kind)
@@ -153,16 +156,18 @@ def without_tiny(monkeypatch):
     monkeypatch.setattr(mla._dispatch, "USE_TINY", False)
 
 
+@pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
 @pytest.mark.parametrize("variant", [None, "shared"])
 @pytest.mark.parametrize("E,T", SINGLE_GRID)
-def test_base_single_block_without_tiny(E, T, variant, without_tiny):
-    _base_case(E, T, variant, False, salt=31)
+def test_base_single_block_without_tiny(E, T, variant, det, without_tiny):
+    _base_case(E, T, variant, det, salt=31)
 
 
+@pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
 @pytest.mark.parametrize("variant", [None, "shared"])
 @pytest.mark.parametrize("E,T", SINGLE_GRID)
-def test_lora_single_block_without_tiny(E, T, variant, without_tiny):
-    _lora_case(E, T, variant, False, salt=32)
+def test_lora_single_block_without_tiny(E, T, variant, det, without_tiny):
+    _lora_case(E, T, variant, det, salt=32)
 
 
 @pytest.fixture
@@ -172,15 +177,35 @@ def tiny_four_buckets(monkeypatch):
     monkeypatch.setattr(mla._dispatch, "TINY_ONE_BUCKET_MAX", 0)
 
 
+@pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
 @pytest.mark.parametrize("E,T", SINGLE_GRID + [(256, 16), (256, 255)])
-def test_base_tiny_four_buckets_a_thread(E, T, tiny_four_buckets):
-    _base_case(E, T, None, False, salt=33)
+def test_base_tiny_four_buckets_a_thread(E, T, det, tiny_four_buckets):
+    _base_case(E, T, None, det, salt=33)
 
 
+@pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
 @pytest.mark.parametrize("rows", [4, 16])
 @pytest.mark.parametrize("E,T", SINGLE_GRID + [(256, 16), (256, 255)])
-def test_lora_tiny_four_buckets_a_thread(E, T, rows, tiny_four_buckets):
-    _lora_case(E, T, None, False, salt=34, max_loras=rows)
+def test_lora_tiny_four_buckets_a_thread(E, T, rows, det, tiny_four_buckets):
+    _lora_case(E, T, None, det, salt=34 + det, max_loras=rows)
+
+
+# Deterministic align_tiny at 1, 2 and 4 routes a lane (its block: 512 threads for these
+# E=64 rows), one warp to every warp holding routes, and four buckets a thread (16 x 256).
+DET_TINY = [(64, 1, 1), (64, 64, 1), (64, 100, 1), (64, 255, 1), (7, 3, 1), (1024, 255, 1),
+            (64, 100, 4), (64, 255, 4), (256, 1, 16), (256, 16, 16), (128, 60, 16)]
+
+
+@pytest.mark.parametrize("salt", [0, 1, 2])
+@pytest.mark.parametrize("E,T,rows", DET_TINY)
+def test_tiny_deterministic_is_exact(E, T, rows, salt):
+    launch = mla._dispatch.choose_launch(T * 8, rows * E, rows, mla._launch.device_limits(0),
+                                         deterministic=True)
+    assert launch.kind == "single" and launch.tiny and launch.deterministic
+    if rows == 1:
+        _base_case(E, T, None, True, salt=40 + salt, topk=8, scatter=salt == 1)
+    else:
+        _lora_case(E, T, None, True, salt=43 + salt, max_loras=rows, topk=8)
 
 
 @pytest.mark.parametrize("E,T,rows", [(64, 1, 1), (257, 255, 1), (64, 255, 16), (1024, 3, 1),

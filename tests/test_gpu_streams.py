@@ -97,9 +97,13 @@ def test_fused_prefill_has_no_deterministic_mode():
                                256, 16, streams="fused", deterministic=True)
 
 
-@pytest.mark.parametrize("deterministic", [False, True])
-def test_together_deterministic_is_exact(deterministic):
-    T, E, K, B, L = 255, 64, 8, 16, 4
+@pytest.mark.parametrize("tiny", [True, False], ids=["tiny", "single"])
+@pytest.mark.parametrize("T,E,K,B,L", [(255, 64, 8, 16, 4), (1, 64, 8, 16, 4),
+                                       (16, 256, 8, 16, 16), (3, 7, 2, 1, 16)])
+def test_together_deterministic_is_exact(T, E, K, B, L, tiny, monkeypatch):
+    """Deterministic base + LoRA, fused (two align_tiny or two align_single blocks), on two
+    streams and on one: bit-identical to the NumPy backend."""
+    monkeypatch.setattr(mla._dispatch, "USE_TINY", tiny)
     ids, mapping, lora_ids, enabled = _inputs(T, E, K, L, seed=3)
     for streams in ("fused", "two", "one"):
         base, lora = mla.align_moe_and_lora(cupy.asarray(ids), cupy.asarray(mapping), B, E, L,
