@@ -224,13 +224,32 @@ __device__ __forceinline__ int claim(CounterT* counter, int bucket) {
   return bucket >= 0 ? old : -1;
 }
 
+// Bits that hold every bucket id below n.
+__device__ __forceinline__ int bucket_bits(int n) { return n <= 1 ? 0 : 32 - __clz(n - 1); }
+
+// The lanes of `active` whose bucket equals this lane's (buckets below 1 << nbits): a ballot a
+// bit of the id (a warp multi-split), the same few instructions whatever the buckets, where
+// __match_any_sync takes longer the more distinct values a warp holds. Every lane calls it.
+__device__ __forceinline__ unsigned same_bucket_lanes(unsigned active, int bucket, int nbits) {
+  unsigned peers = active;
+#pragma unroll 4
+  for (int bit = 0; bit < nbits; ++bit) {
+    const bool set = (bucket >> bit) & 1;
+    const unsigned with = __ballot_sync(MLA_FULL_MASK, set);
+    peers &= set ? with : ~with;
+  }
+  return peers;
+}
+
 // Ranks in lane order for counters only this warp touches (deterministic mode): lanes with
-// the same bucket elect the lowest as leader, which reads the counter and adds their number.
-__device__ __forceinline__ int claim_in_lane_order(unsigned short* counter, int bucket) {
+// the same bucket (below 1 << nbits) elect the lowest as leader, which reads the counter and
+// adds their number. Every lane of the warp must call it; bucket < 0 is inactive.
+__device__ __forceinline__ int claim_in_lane_order(unsigned short* counter, int bucket, int nbits) {
   __syncwarp();  // orders the previous step's leader writes before these reads
   const unsigned active = __ballot_sync(MLA_FULL_MASK, bucket >= 0);
+  if (active == 0) return -1;
+  const unsigned peers = same_bucket_lanes(active, bucket, nbits);
   if (bucket < 0) return -1;
-  const unsigned peers = __match_any_sync(active, bucket);
   const int leader = __ffs(peers) - 1;
   int base = 0;
   if ((int)(threadIdx.x & 31) == leader) {

@@ -107,7 +107,7 @@ __device__ void align_in_one_block(const Problem& p, int stamp_as = 0) {
     scan_padded_counts(p, nb, [&](int b) { return starts[b]; }, starts, warp_sums);
     for_routes<IdT>(p, lo + lane, 32, hi, [&](int i, Route r) {
       const int b = bucket_of(p, r, processed);
-      const int rank = claim_in_lane_order(mine, b);
+      const int rank = claim_in_lane_order(mine, b, bucket_bits(nb));
       if (b >= 0) p.sorted_ids[output_index(p, starts, b, rank)] = i;
     });
   }
@@ -247,7 +247,8 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
     bucket[j] = bucket_of(p, route[j], processed);
     if (p.scatter_idx != nullptr && i < p.numel) p.scatter_idx[i] = bucket[j] >= 0 ? i : -1;
     if (!DET) rank[j] = claim(starts, bucket[j]);
-    else if (j < items) rank[j] = claim_in_lane_order(warp_counts + warp * stride, bucket[j]);
+    else if (j < items)
+      rank[j] = claim_in_lane_order(warp_counts + warp * stride, bucket[j], bucket_bits(nb));
   }
   __syncthreads();
   MLA_STAMP(0, 2);
@@ -589,7 +590,7 @@ __global__ void align_place(const Problem p) {
     __syncthreads();
     for_routes<IdT>(p, lo + lane, 32, hi, [&](int i, Route r) {
       const int b = in_range(r);
-      const int rank = claim_in_lane_order(mine, b);
+      const int rank = claim_in_lane_order(mine, b, bucket_bits(width));
       if (b >= 0)
         p.sorted_ids[(long long)row_of(p, lo_b + b) * p.sorted_pitch + offsets[b] + rank] = i;
     });
@@ -758,7 +759,7 @@ __device__ __forceinline__ void align_cooperatively(const Problem& p, int block,
   } else {
     for_routes<IdT>(p, lo + lane, 32, hi, [&](int i, Route r) {
       const int b = bucket_of(p, r, processed);
-      const int k = claim_in_lane_order(mine, b);  // rank in the block, in flat order
+      const int k = claim_in_lane_order(mine, b, bucket_bits(nb));  // rank in the block, flat order
       if (b >= 0) {
         value[hist[b] + k] = i;
         bucket_of_k[hist[b] + k] = b;

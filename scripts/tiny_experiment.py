@@ -12,7 +12,7 @@ With ``--baseline``
 also align_tiny compiled from the kernel sources in DIR (an earlier commit's ``kernels/``,
 cases it can run: a thread per bucket), and with each ``--variant`` the kernel sources in
 DIR under the default dispatcher but a thread per bucket up to 1024 buckets (NAME=DIR:1:
-sources that have only that). Runs take turns, three times, so drift hits all; each result
+sources that have only that; NAME=DIR:det: with ``deterministic=True``). Runs take turns, three times, so drift hits all; each result
 is checked against the NumPy backend first.
 """
 from __future__ import annotations
@@ -106,7 +106,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", type=Path)
     ap.add_argument("--baseline", type=Path, help="kernel sources of an earlier commit")
-    ap.add_argument("--variant", action="append", default=[], help="NAME=DIR[:1]")
+    ap.add_argument("--variant", action="append", default=[], help="NAME=DIR[:1][:det]")
     ap.add_argument("--runs", help="comma-separated names of RUNS to keep (default: all)")
     args = ap.parse_args()
     stream = cupy.cuda.Stream(non_blocking=True)
@@ -115,8 +115,8 @@ def main():
     runs = [r for r in RUNS if r[0] in keep]
     for v in args.variant:
         name, spec = v.split("=", 1)
-        directory, _, one = spec.partition(":")
-        runs.append((name, ONE, Path(directory).resolve(), one == "1", False))
+        directory, *flags = spec.split(":")
+        runs.append((name, ONE, Path(directory).resolve(), "1" in flags, "det" in flags))
     if args.baseline:
         runs.append(("base tiny", ONE, args.baseline.resolve(), True, False))
     defaults = {k: getattr(_dispatch, k) for _, s, _, _, _ in runs for k in s}
