@@ -244,20 +244,21 @@ __device__ __forceinline__ unsigned same_bucket_lanes(unsigned active, int bucke
 // Ranks in lane order for counters only this warp touches (deterministic mode): lanes with
 // the same bucket (below 1 << nbits) elect the lowest as leader, which reads the counter and
 // adds their number. Every lane of the warp must call it; bucket < 0 is inactive.
+// The leaders' values travel in one full-warp shuffle: a shuffle under each group's own mask
+// ran once a group, one after another.
 __device__ __forceinline__ int claim_in_lane_order(unsigned short* counter, int bucket, int nbits) {
   __syncwarp();  // orders the previous step's leader writes before these reads
   const unsigned active = __ballot_sync(MLA_FULL_MASK, bucket >= 0);
   if (active == 0) return -1;
-  const unsigned peers = same_bucket_lanes(active, bucket, nbits);
-  if (bucket < 0) return -1;
+  const unsigned peers = same_bucket_lanes(active, bucket, nbits);  // inactive lanes: unused
   const int leader = __ffs(peers) - 1;
   int base = 0;
-  if ((int)(threadIdx.x & 31) == leader) {
+  if (bucket >= 0 && (int)(threadIdx.x & 31) == leader) {
     base = counter[bucket];
     counter[bucket] = (unsigned short)(base + __popc(peers));
   }
-  base = __shfl_sync(peers, base, leader);
-  return base + __popc(peers & lanemask_lt());
+  base = __shfl_sync(MLA_FULL_MASK, base, leader & 31);
+  return bucket >= 0 ? base + __popc(peers & lanemask_lt()) : -1;
 }
 
 // Fill rows [rows, pitch] of `base` with `value` in [0, len), skipping rows not written.
