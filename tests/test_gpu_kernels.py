@@ -328,3 +328,12 @@ def test_device_value_validation_on_request():
                                         np.array([0, -1, 0, 0], np.int32), 16, 8, 2)
     for a, b in zip(got, ref):
         np.testing.assert_array_equal(a.get(), b)
+
+
+@pytest.mark.parametrize("dtype", sorted(mla._kernels.CTYPES, key=str))
+def test_device_compiler_leaves_no_kernel_spilled(dtype):
+    """tests/test_compile.py's spill check, on the kernels as this machine's NVRTC built
+    them (its cuda.core may return no ptxas log): no local memory in any kernel."""
+    ks = mla._kernels.kernels_for(dtype, 0, mla._launch.device_limits(0).smem_optin)
+    local = {name: ks[key].local_size_bytes for key, name in ks.names.items()}
+    assert not any(local.values()), {n: b for n, b in local.items() if b}
