@@ -68,13 +68,16 @@ extern "C" __global__ void ticket(const int* in, int* part, unsigned* tk, int* o
 }
 """
 
-CASES = [  # op, T, E, K, B, L
+CASES = [  # op ("... det": deterministic=True), T, E, K, B, L
     ("base", 1, 64, 8, 16, None), ("base", 256, 256, 8, 16, None),
     ("base", 256, 512, 10, 16, None), ("lora", 16, 64, 6, 16, 16), ("lora", 1, 256, 8, 16, 16),
     ("lora", 256, 256, 8, 16, 16), ("base", 4096, 8, 2, 64, None),
     ("base", 16384, 256, 8, 64, None), ("base", 65536, 256, 8, 64, None),
     ("lora", 4096, 256, 8, 64, 16), ("lora", 16384, 256, 8, 64, 16),
     ("pair", 4096, 256, 8, 64, 16), ("pair", 16384, 256, 8, 64, 16),
+    ("base det", 1, 64, 8, 16, None), ("base det", 256, 256, 8, 16, None),
+    ("lora det", 16, 64, 6, 16, 16), ("lora det", 1, 256, 8, 16, 16),
+    ("lora det", 16, 256, 8, 16, 16),
 ]
 STAGES = {0: ["entry", "rows+fill", "claim", "scan", "stores", "end"],
           1: ["entry", "rows", "claim", "flush", "ticket", "scan", "end"],
@@ -117,21 +120,23 @@ def floor_ladder(stream):
 
 def make_call(case, stream):
     op, T, E, K, B, L = case
+    op, *flags = op.split()
+    det = flags == ["det"]
     rng = np.random.default_rng(T * 7 + E)
     ids = cupy.asarray(routing(rng, T, K, E, "uniform"))
     if op == "base":
-        plan = mla.AlignPlan(T, K, E, B)
+        plan = mla.AlignPlan(T, K, E, B, deterministic=det)
         return lambda: plan(ids, stream=stream)
     mapping, lora_ids, enabled = (cupy.asarray(x) for x in lora_inputs(rng, T, L))
     if op == "pair":  # base and LoRA through a plan (scripts/decode_experiment.py)
-        pair = mla.AlignPlan(T, K, E, B, max_loras=L)
+        pair = mla.AlignPlan(T, K, E, B, max_loras=L, deterministic=det)
         return lambda: pair(ids, mapping, stream=stream)
     P, M = mla.buffer_sizes(T * K, E, B)
     out = [cupy.full((L, P), T * K, np.int32), cupy.full((L, M), -1, np.int32),
            cupy.zeros(L, np.int32)]
     return lambda: mla.moe_lora_align_block_size(ids, mapping, B, E, L, lora_ids=lora_ids,
                                                  adapter_enabled=enabled, out=out,
-                                                 stream=stream)
+                                                 stream=stream, deterministic=det)
 
 
 def time_cases(stream, label):
@@ -227,9 +232,10 @@ def main():
                     help="only the probe build's graph times and stamps (no floor ladder, "
                          "carveout or eager profile)")
     ap.add_argument("--min-tokens", type=int, default=0, help="only cases with T >= this")
+    ap.add_argument("--only", default="", help="only cases whose printed tuple contains this")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    CASES[:] = [c for c in CASES if c[1] >= args.min_tokens]
+    CASES[:] = [c for c in CASES if c[1] >= args.min_tokens and args.only in str(c)]
     stream = cupy.cuda.Stream(non_blocking=True)
     report = {"graph_calls": GRAPH_CALLS}
     base_opts = _kernels.COMPILE_OPTIONS
