@@ -14,7 +14,8 @@ ITEMS_PER_THREAD = 4          # kernels/align_kernels.cu: ITEMS_PER_THREAD
 SINGLE_BLOCK_MAX_ROUTES = BLOCK * ITEMS_PER_THREAD
 WARP_COUNTER_MAX = 65535      # unsigned short per-warp counters bound a deterministic chunk
 CHUNK_MATRIX_BUDGET = 1 << 18  # entries of the deterministic [chunks, buckets] prefix matrix
-SMEM_SLACK = 512              # bytes kept for static shared memory and layout alignment
+SMEM_SLACK = 512              # bytes of a block's shared memory kept for the kernels' static
+                              #   shared memory (KernelSet checks each kernel's fits)
 FILL_PER_BLOCK = 8192         # sentinel entries per count-kernel block, at most (about)
 
 COOP_ITEMS = 8                # kernels/align_kernels.cu: COOP_ITEMS (cooperative kernels'
@@ -26,11 +27,20 @@ COOP_ITEMS = 8                # kernels/align_kernels.cu: COOP_ITEMS (cooperativ
 VARIANTS = ("shared", "global", "cooperative")
 
 
+# The kernels' MODE template argument (kernels/align_kernels.cu: MODE_*).
+MODE_SHARED, MODE_GLOBAL, MODE_DETERMINISTIC = 0, 1, 2
+
+
 @dataclass(frozen=True)
 class DeviceLimits:
     sm_count: int
     smem_optin: int           # MaxSharedMemoryPerBlockOptin, bytes
     cooperative: bool = False  # the device and the launcher can issue cooperative launches
+
+    @property
+    def dynamic_smem(self) -> int:
+        """Dynamic shared bytes any kernel may be given: the opt-in limit less SMEM_SLACK."""
+        return self.smem_optin - SMEM_SLACK
 
     @classmethod
     def h200(cls):
@@ -62,8 +72,8 @@ class Launch:
     def mode(self) -> int:
         """The kernels' MODE template argument."""
         if self.deterministic:
-            return 2
-        return 1 if self.variant == "global" else 0
+            return MODE_DETERMINISTIC
+        return MODE_GLOBAL if self.variant == "global" else MODE_SHARED
 
     @property
     def launches(self) -> int:
@@ -75,8 +85,50 @@ def row_region_bytes(rows: int) -> int:
     return ((((rows + 3) & ~3) + 4 * (rows + 1)) + 15) & ~15
 
 
+def _even(n: int) -> int:
+    return n + (n & 1)
+
+
+# ---- what each kernel needs: the one description that both the choice and the launch read --
+# Dynamic shared bytes of each kernel's layout (the layout comments in kernels/align_kernels.cu).
+# The dispatcher picks only launches whose needs fit DeviceLimits.dynamic_smem, and
+# check_launch refuses, before anything is launched, a launch that would give a kernel less
+# than its layout needs, more than the device allows, or a grid the kernel cannot run.
+def smem_one_block(num_buckets: int, rows: int, warp_counter_bytes: int = 0) -> int:
+    """align_single / align_tiny (and their pair kernels): starts[nb + 1], then the
+    deterministic per-warp counters."""
+    return row_region_bytes(rows) + 4 * (num_buckets + 1) + warp_counter_bytes
+
+
+def smem_count(mode: int, num_buckets: int, rows: int, range_width: int = 0) -> int:
+    """align_count: hist[nb + 1] (shared), hist[range_width] (deterministic), none (global)."""
+    hist = {MODE_SHARED: 4 * (num_buckets + 1), MODE_GLOBAL: 0,
+            MODE_DETERMINISTIC: 4 * range_width}[mode]
+    return row_region_bytes(rows) + hist
+
+
+def smem_place(mode: int, num_buckets: int, rows: int, *, range_width: int = 0,
+               starts_in_smem: bool = False, stage_chunk: int = 0) -> int:
+    """align_place: hist[nb + 1] and base[nb] (shared) or warp_counts[32 * range_width] ushort
+    and offsets[range_width] (deterministic), then starts[nb + 1] when copied, then the
+    staging's value[chunk] and position[chunk] (shared, when staged)."""
+    head = {MODE_SHARED: 4 * (2 * num_buckets + 1), MODE_GLOBAL: 0,
+            MODE_DETERMINISTIC: (2 * (BLOCK // 32) + 4) * range_width}[mode]
+    starts = 4 * (num_buckets + 1) if starts_in_smem else 0
+    return row_region_bytes(rows) + head + starts + 8 * stage_chunk
+
+
+def smem_cooperative(num_buckets: int, rows: int, chunk: int, deterministic: bool) -> int:
+    """align_cooperative: hist[nb + 1], adj[nb], starts[nb + 1], value[chunk],
+    bucket_of_k[chunk], then (deterministic) warp_counts[32 * even(nb)] ushort."""
+    det = 2 * (BLOCK // 32) * _even(num_buckets) if deterministic else 0
+    return row_region_bytes(rows) + 4 * (3 * num_buckets + 2) + 8 * chunk + det
+
+
 def shared_fits(num_buckets: int, rows: int, limits: DeviceLimits) -> bool:
-    return 4 * num_buckets + row_region_bytes(rows) + SMEM_SLACK <= limits.smem_optin
+    """The shared-histogram count + place launches fit: the place kernel, which holds two
+    ints a bucket, is the larger (unstaged, starts read from global memory)."""
+    return smem_place(MODE_SHARED, num_buckets, rows) <= limits.dynamic_smem
 
 
 SINGLE_BLOCK_SIZES = (128, 256, 512, 1024)
@@ -143,23 +195,23 @@ def _single_block(numel, num_buckets, rows, deterministic, limits, out_entries=0
                   use_tiny=True):
     if numel > SINGLE_BLOCK_MAX_ROUTES:
         return None
-    base = 4 * (num_buckets + 1) + row_region_bytes(rows) + SMEM_SLACK
+    base = smem_one_block(num_buckets, rows)
     block = single_block_threads(numel, out_entries, num_buckets)
     tiny = tiny_block_threads(numel, out_entries, num_buckets) if USE_TINY and use_tiny else None
     if tiny is not None:
         smem = base + (tiny_warp_counter_bytes(numel, tiny, num_buckets) if deterministic else 0)
-        if smem <= limits.smem_optin:
+        if smem <= limits.dynamic_smem:
             return Launch("shared", "single", deterministic, tiny, smem_single=smem, tiny=True)
     if not deterministic:
-        if base > limits.smem_optin:
+        if base > limits.dynamic_smem:
             return None
         return Launch("shared", "single", False, block, smem_single=base)
     # Deterministic: one unsigned short counter per (warp, bucket); fewer warps if they don't fit.
     for warps in (32, 16, 8, 4):
         if 32 * warps > block:
             continue
-        smem = base + 2 * warps * (num_buckets + (num_buckets & 1))
-        if smem <= limits.smem_optin:
+        smem = smem_one_block(num_buckets, rows, 2 * warps * _even(num_buckets))
+        if smem <= limits.dynamic_smem:
             return Launch("shared", "single", True, 32 * warps, smem_single=smem)
     return None
 
@@ -180,10 +232,8 @@ def _cooperative(numel, num_buckets, rows, limits, out_entries, deterministic=Fa
     chunk = max(BLOCK, _ceil_div(per_sm, BLOCK) * BLOCK)
     if chunk > COOP_ITEMS * BLOCK:
         return None
-    smem = row_region_bytes(rows) + 4 * (3 * num_buckets + 2) + 8 * chunk + SMEM_SLACK
-    if deterministic:
-        smem += 2 * (BLOCK // 32) * (num_buckets + (num_buckets & 1))
-    if smem > limits.smem_optin:
+    smem = smem_cooperative(num_buckets, rows, chunk, deterministic)
+    if smem > limits.dynamic_smem:
         return None
     # Blocks past the last chunk only take their share of the sentinel fill.
     fill_blocks = min(limits.sm_count, _ceil_div(out_entries, FILL_PER_BLOCK))
@@ -194,7 +244,7 @@ def _cooperative(numel, num_buckets, rows, limits, out_entries, deterministic=Fa
 
 def choose_launch(numel: int, num_buckets: int, rows: int, limits: DeviceLimits, *,
                   deterministic: bool = False, variant: str | None = None,
-                  allow_single: bool = True, out_entries: int = 0) -> Launch:
+                  out_entries: int = 0) -> Launch:
     """Pick the variant and launch geometry of one alignment.
 
     ``num_buckets`` is ``rows * num_experts``; ``out_entries`` the output entries written
@@ -209,25 +259,26 @@ def choose_launch(numel: int, num_buckets: int, rows: int, limits: DeviceLimits,
         raise ValueError(f"variant must be one of {VARIANTS} or None, got {variant!r}")
     if variant == "cooperative":
         return _forced_cooperative(numel, num_buckets, rows, limits, deterministic, out_entries)
-    fits = shared_fits(num_buckets, rows, limits)
-    if variant == "shared" and not fits:
-        raise ValueError(
-            f"variant='shared' needs {4 * num_buckets + rows} bytes of shared memory for "
-            f"{num_buckets} buckets but the device allows {limits.smem_optin} per block; "
-            "use variant='global' or leave variant unset"
-        )
-    chosen = variant or ("shared" if fits else "global")
     coop = None
     if variant is None:
         coop = _cooperative(numel, num_buckets, rows, limits, out_entries, deterministic)
         if coop is not None and out_entries > COOP_OVER_SINGLE_ENTRIES:
             return coop
-    if chosen == "shared" and allow_single:
+    if variant in (None, "shared"):
         single = _single_block(numel, num_buckets, rows, deterministic, limits, out_entries)
         if single is not None:
             return single
     if coop is not None:
         return coop
+    fits = shared_fits(num_buckets, rows, limits)
+    if variant == "shared" and not fits and not deterministic:
+        need = smem_place(MODE_SHARED, num_buckets, rows)
+        raise ValueError(
+            f"variant='shared' cannot run {numel} routes over {num_buckets} buckets: its place "
+            f"kernel needs {need} bytes of shared memory (two ints a bucket) but the device "
+            f"allows {limits.dynamic_smem} per block; use variant='global' or leave variant unset"
+        )
+    chosen = variant or ("shared" if fits else "global")
 
     if not deterministic:
         # Enough chunks to spread over the SMs, at most ITEMS_PER_THREAD routes a thread.
@@ -236,24 +287,28 @@ def choose_launch(numel: int, num_buckets: int, rows: int, limits: DeviceLimits,
         grid = max(1, _ceil_div(numel, chunk))
         # Blocks past the last chunk only write sentinels: the fill then spreads over the SMs.
         count_grid = max(grid, min(limits.sm_count, _ceil_div(out_entries, FILL_PER_BLOCK)))
-        rows_smem = row_region_bytes(rows) + SMEM_SLACK
         if chosen == "global":
-            copy, place = _with_starts_copy(rows_smem, num_buckets, limits)
+            copy = _room(smem_place(MODE_GLOBAL, num_buckets, rows, starts_in_smem=True),
+                         limits)
             return Launch(chosen, "multi", False, BLOCK, grid=grid, count_grid=count_grid,
-                          chunk=chunk, smem_count=rows_smem, smem_place=place,
+                          chunk=chunk, smem_count=smem_count(MODE_GLOBAL, num_buckets, rows),
+                          smem_place=smem_place(MODE_GLOBAL, num_buckets, rows,
+                                                starts_in_smem=copy),
                           starts_in_smem=copy)
         # Shared: counts and block bases, then staging, then the starts copy, as room allows.
-        place = rows_smem + 4 * (2 * num_buckets + 1)
-        stage = place + 8 * chunk <= limits.smem_optin
-        place += 8 * chunk if stage else 0
-        copy, place = _with_starts_copy(place, num_buckets, limits)
+        stage = _room(smem_place(MODE_SHARED, num_buckets, rows, stage_chunk=chunk), limits)
+        staged = chunk if stage else 0
+        copy = _room(smem_place(MODE_SHARED, num_buckets, rows, starts_in_smem=True,
+                                stage_chunk=staged), limits)
         return Launch(chosen, "multi", False, BLOCK, grid=grid, count_grid=count_grid,
-                      chunk=chunk, smem_count=rows_smem + 4 * (num_buckets + 1),
-                      smem_place=place, starts_in_smem=copy, stage_output=stage)
+                      chunk=chunk, smem_count=smem_count(MODE_SHARED, num_buckets, rows),
+                      smem_place=smem_place(MODE_SHARED, num_buckets, rows,
+                                            starts_in_smem=copy, stage_chunk=staged),
+                      starts_in_smem=copy, stage_output=stage)
 
     # Deterministic: blocks tile (chunk, bucket range); per-warp counters cover one range.
     warps = BLOCK // 32
-    avail = limits.smem_optin - row_region_bytes(rows) - SMEM_SLACK
+    avail = limits.dynamic_smem - row_region_bytes(rows)
     width = min(num_buckets, avail // (2 * warps + 4))
     width = max(2, width - width % 32 if width >= 32 else width + (width & 1))
     ranges = _ceil_div(num_buckets, width)
@@ -263,12 +318,15 @@ def choose_launch(numel: int, num_buckets: int, rows: int, limits: DeviceLimits,
     chunks = max(min_chunks, min(want, budget, max(1, _ceil_div(numel, BLOCK))))
     chunk = max(1, _ceil_div(numel, chunks))
     chunks = max(1, _ceil_div(numel, chunk))
-    rows_smem = row_region_bytes(rows) + SMEM_SLACK
-    copy, place = _with_starts_copy((2 * warps + 4) * width + rows_smem, num_buckets, limits)
+    copy = _room(smem_place(MODE_DETERMINISTIC, num_buckets, rows, range_width=width,
+                            starts_in_smem=True), limits)
     return Launch(chosen, "multi", True, BLOCK, grid=chunks * ranges,
                   count_grid=chunks * ranges, chunk=chunk,
-                  range_width=width, ranges=ranges, smem_count=4 * width + rows_smem,
-                  smem_place=place, starts_in_smem=copy)
+                  range_width=width, ranges=ranges,
+                  smem_count=smem_count(MODE_DETERMINISTIC, num_buckets, rows, width),
+                  smem_place=smem_place(MODE_DETERMINISTIC, num_buckets, rows,
+                                        range_width=width, starts_in_smem=copy),
+                  starts_in_smem=copy)
 
 
 def _forced_cooperative(numel, num_buckets, rows, limits, deterministic, out_entries):
@@ -282,18 +340,15 @@ def _forced_cooperative(numel, num_buckets, rows, limits, deterministic, out_ent
         else:
             why = (f"its shared memory for {num_buckets} buckets"
                    + (" (with per-warp counters: deterministic)" if deterministic else "")
-                   + f" exceeds the device's {limits.smem_optin} bytes per block")
+                   + f" exceeds the {limits.dynamic_smem} bytes a block may have")
         raise ValueError(f"variant='cooperative' cannot run this alignment: {why}; use "
                          "variant='shared' or 'global', or leave variant unset")
     return coop
 
 
-def _with_starts_copy(smem, num_buckets, limits):
-    """Room for a shared copy of the segment starts in the place kernel, when it fits."""
-    with_copy = smem + 4 * (num_buckets + 1)
-    if with_copy <= limits.smem_optin:
-        return True, with_copy
-    return False, smem
+def _room(smem: int, limits: DeviceLimits) -> bool:
+    """An optional part of a layout (staging, a starts copy) is used when it fits."""
+    return smem <= limits.dynamic_smem
 
 
 @dataclass(frozen=True)
@@ -353,10 +408,9 @@ def choose_pair(numel: int, base_buckets: int, lora_buckets: int, rows: int,
         block = max(base.block, lora.block)
         smem = max(base.smem_single, lora.smem_single)
         if deterministic:  # the counters follow the block: both sides at the larger one
-            smem = max(4 * (nb + 1) + row_region_bytes(r) + SMEM_SLACK
-                       + tiny_warp_counter_bytes(numel, block, nb)
+            smem = max(smem_one_block(nb, r, tiny_warp_counter_bytes(numel, block, nb))
                        for nb, r in ((base_buckets, 1), (lora_buckets, rows)))
-        if smem <= limits.smem_optin:
+        if smem <= limits.dynamic_smem:
             return Launch("shared", "single", deterministic, block, grid=2, smem_single=smem,
                           tiny=True)
     if base.tiny or lora.tiny:  # two align_single blocks, each side sized for that kernel
@@ -367,10 +421,74 @@ def choose_pair(numel: int, base_buckets: int, lora_buckets: int, rows: int,
             return None
     block = lora.block if not deterministic else min(base.block, lora.block)
     warps = block // 32
-    even = lambda n: n + (n & 1)  # noqa: E731  (per-warp counter rows are 4-byte aligned)
-    smem = max(4 * (base_buckets + 1) + row_region_bytes(1)
-               + (2 * warps * even(base_buckets) if deterministic else 0),
-               4 * (lora_buckets + 1) + row_region_bytes(rows)
-               + (2 * warps * even(lora_buckets) if deterministic else 0))
-    return Launch("shared", "single", deterministic, block, grid=2,
-                  smem_single=smem + SMEM_SLACK)
+    smem = max(smem_one_block(nb, r, 2 * warps * _even(nb) if deterministic else 0)
+               for nb, r in ((base_buckets, 1), (lora_buckets, rows)))
+    if smem > limits.dynamic_smem:
+        return None
+    return Launch("shared", "single", deterministic, block, grid=2, smem_single=smem)
+
+
+# ---- the launcher's guard ----------------------------------------------------------------
+class LaunchRefused(ValueError):
+    """A launch that a kernel cannot run (raised before anything is launched)."""
+
+
+def _one_block_counters(launch: Launch, numel: int, num_buckets: int) -> int:
+    if not launch.deterministic:
+        return 0
+    if launch.tiny:
+        return tiny_warp_counter_bytes(numel, launch.block, num_buckets)
+    return 2 * (launch.block // 32) * _even(num_buckets)
+
+
+def kernel_demands(launch, numel: int, sides) -> list:
+    """``(kernel, grid, block, dynamic bytes given, dynamic bytes its layout needs)`` of every
+    kernel that ``launch`` issues; ``sides`` lists ``(num_buckets, rows)`` of each alignment
+    the launch serves (one, or base and LoRA for a fused pair)."""
+    if isinstance(launch, CooperativePair):
+        need = max(smem_cooperative(nb, r, side.chunk, False)
+                   for (nb, r), side in zip(sides, (launch.base, launch.lora)))
+        return [("cooperative_pair", launch.grid, BLOCK, launch.smem, need)]
+    if launch.kind == "single":
+        need = max(smem_one_block(nb, r, _one_block_counters(launch, numel, nb))
+                   for nb, r in sides)
+        return [("tiny" if launch.tiny else "single", launch.grid, launch.block,
+                 launch.smem_single, need)]
+    (nb, rows), = sides
+    if launch.kind == "cooperative":
+        return [("cooperative", launch.grid, launch.block, launch.smem_place,
+                 smem_cooperative(nb, rows, launch.chunk, launch.deterministic))]
+    staged = launch.chunk if launch.stage_output else 0
+    return [("count", launch.count_grid, launch.block, launch.smem_count,
+             smem_count(launch.mode, nb, rows, launch.range_width)),
+            ("place", launch.grid, launch.block, launch.smem_place,
+             smem_place(launch.mode, nb, rows, range_width=launch.range_width,
+                        starts_in_smem=launch.starts_in_smem, stage_chunk=staged))]
+
+
+def check_launch(launch, numel: int, sides, limits: DeviceLimits) -> None:
+    """Raise ``LaunchRefused`` unless every kernel of ``launch`` gets the shared memory its
+    layout needs, no more than the device allows, a block of 32 to BLOCK threads in whole
+    warps, and a grid it can run (every block resident for the cooperative kernels; chunks
+    that cover every route)."""
+    for kernel, grid, block, given, need in kernel_demands(launch, numel, sides):
+        why = None
+        if given < need:
+            why = f"its layout needs {need} bytes of shared memory, the launch gives {given}"
+        elif given > limits.dynamic_smem:
+            why = (f"it needs {given} bytes of shared memory, more than the "
+                   f"{limits.dynamic_smem} a block may have on this device")
+        elif not (32 <= block <= BLOCK and block % 32 == 0):
+            why = f"a block of {block} threads"
+        elif not 1 <= grid <= 2**31 - 1:
+            why = f"a grid of {grid} blocks"
+        elif kernel.startswith("cooperative") and grid > limits.sm_count:
+            why = f"{grid} blocks cannot all be resident on {limits.sm_count} SMs"
+        if why is None and kernel in ("count", "cooperative"):
+            per_block = launch.chunk
+            blocks = grid // launch.ranges if kernel == "count" else grid
+            if per_block * blocks < numel or (kernel == "count" and grid < launch.grid):
+                why = f"{blocks} chunks of {per_block} routes do not cover {numel} routes"
+        if why is not None:
+            raise LaunchRefused(f"refusing to launch align_{kernel} for {numel} routes over "
+                                f"{', '.join(str(nb) for nb, _ in sides)} buckets: {why}")

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ._dispatch import SMEM_SLACK
+
 MAIN_SOURCE = "align_kernels.cu"
 
 # C++ spelling of every accepted topk_ids dtype.
@@ -91,7 +93,12 @@ class KernelSet:
             self.kernels = {}
             for key, name in self.names.items():
                 k = module.get_function(name)
-                # The opt-in limit covers static shared memory too.
+                # The dispatcher gives a kernel at most smem_optin - SMEM_SLACK dynamic bytes;
+                # the opt-in limit covers static shared memory too.
+                if k.shared_size_bytes > SMEM_SLACK:
+                    raise RuntimeError(
+                        f"{name} has {k.shared_size_bytes} bytes of static shared memory, "
+                        f"more than the {SMEM_SLACK} the dispatcher keeps for it")
                 k.max_dynamic_shared_size_bytes = smem_optin - k.shared_size_bytes
                 self.kernels[key] = k
             # CUfunction handles for the direct driver launch (see _launch.launch_kernel).

@@ -270,10 +270,21 @@ def launch_kernel(ks, key, grid: int, block: int, smem: int, stream, *jobs,
         ks[key]((grid,), (block,), args, shared_mem=smem)
 
 
+@functools.lru_cache(maxsize=4096)
+def checked_launch(numel: int, num_buckets: int, rows: int, limits: _dispatch.DeviceLimits,
+                   deterministic: bool, variant, out_entries: int) -> _dispatch.Launch:
+    """The dispatcher's choice for these sizes, checked against what its kernels need
+    (``_dispatch.check_launch``) before anything is launched. Pure, so cached."""
+    launch = _dispatch.choose_launch(numel, num_buckets, rows, limits,
+                                     deterministic=deterministic, variant=variant,
+                                     out_entries=out_entries)
+    _dispatch.check_launch(launch, numel, [(num_buckets, rows)], limits)
+    return launch
+
+
 def plan_launch(job: Job, device_id: int, variant=None) -> _dispatch.Launch:
-    return _dispatch.choose_launch(job.numel, job.num_buckets, job.rows,
-                                   device_limits(device_id), deterministic=job.deterministic,
-                                   variant=variant, out_entries=out_entries(job))
+    return checked_launch(job.numel, job.num_buckets, job.rows, device_limits(device_id),
+                          job.deterministic, variant, out_entries(job))
 
 
 def out_entries(job: Job) -> int:
@@ -422,6 +433,11 @@ def choose_streams(base: Job, lora: Job, device_id: int, streams=None, variant=N
                          "blocks); use streams='two' or None")
     if streams is None:
         streams = "fused" if pair is not None else "two"
+    if streams == "fused":
+        _dispatch.check_launch(pair, base.numel, [(base.num_buckets, 1),
+                                                  (lora.num_buckets, lora.rows)], limits)
+    else:
+        pair = None
     return streams, pair
 
 

@@ -11,11 +11,10 @@ from __future__ import annotations
 import numpy as np
 
 from . import _checks, _interop
-from ._dispatch import choose_launch
 from ._kernels import kernels_for
-from ._launch import (MAP_AFTER, MAP_BEFORE, MAP_NONE, Job, Workspace, choose_streams,
-                      device_limits, issue_both, launch_one, record_launches, replay_launches,
-                      set_input_pointers, workspace_needs)
+from ._launch import (MAP_AFTER, MAP_BEFORE, MAP_NONE, Job, Workspace, checked_launch,
+                      choose_streams, device_limits, issue_both, launch_one, record_launches,
+                      replay_launches, set_input_pointers, workspace_needs)
 from ._sizes import buffer_sizes
 from ._streams import side_streams
 from .api import Alignment, LoraAlignment
@@ -114,15 +113,14 @@ class AlignPlan:
         grown_from = self._generations()
         P, M = buffer_sizes(numel, self.num_experts, self.block_size, self.pad_sorted_ids)
         E = self.num_experts
-        base = choose_launch(numel, E, 1, self.limits, deterministic=self.deterministic,
-                             variant=self.variant, out_entries=P + M)
+        base = checked_launch(numel, E, 1, self.limits, self.deterministic, self.variant,
+                              P + M)
         self._base_ws.ensure(*workspace_needs(base, E))
         lora = None
         if self.max_loras is not None:
             nb = self.max_loras * E
-            lora = choose_launch(numel, nb, self.max_loras, self.limits,
-                                 deterministic=self.deterministic, variant=self.variant,
-                                 out_entries=self.max_loras * (P + M))
+            lora = checked_launch(numel, nb, self.max_loras, self.limits, self.deterministic,
+                                  self.variant, self.max_loras * (P + M))
             self._lora_ws.ensure(*workspace_needs(lora, nb))
         g = self._launches[numel] = (P, M, base, lora)
         if self._generations() != grown_from:

@@ -185,7 +185,7 @@ def test_tiny_deterministic_counters(numel, block, buckets, nbytes):
 
 def test_deterministic_decode_runs_tiny_where_its_counters_fit():
     launch = d.choose_launch(8, 64, 1, H200, deterministic=True)
-    base = 4 * 65 + d.row_region_bytes(1) + d.SMEM_SLACK
+    base = 4 * 65 + d.row_region_bytes(1)
     assert launch.tiny and launch.deterministic and launch.block == 64
     assert launch.smem_single == base + 2 * 64
     # 2048 routes over 16 x 256 buckets: 32 warps of counters need 256 KB, align_single's
@@ -194,7 +194,7 @@ def test_deterministic_decode_runs_tiny_where_its_counters_fit():
     assert launch.kind == "single" and launch.deterministic and not launch.tiny
     pair = d.choose_pair(8, 64, 4 * 64, 4, H200, deterministic=True)
     assert pair.tiny and pair.deterministic and pair.block == 256
-    assert pair.smem_single == (4 * 257 + d.row_region_bytes(4) + d.SMEM_SLACK
+    assert pair.smem_single == (4 * 257 + d.row_region_bytes(4)
                                 + d.tiny_warp_counter_bytes(8, 256, 256))
     # A side whose counters do not fit: both sides on align_single, warps for the smaller.
     pair = d.choose_pair(2048, 64, 16 * 256, 16, NO_COOP, deterministic=True)
