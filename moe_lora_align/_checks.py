@@ -11,23 +11,75 @@ import operator
 
 import numpy as np
 
-from ._sizes import INT32_MAX, check_index_range
+from ._sizes import INT32_MAX, MAX_BUCKETS, MAX_ROUTES, check_index_range
 
 ID_DTYPES = tuple(np.dtype(t) for t in (
     np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64))
 INT32 = np.dtype(np.int32)
 
 
-def positive_int(name: str, value) -> int:
+def integer(name: str, value, lo: int, hi: int) -> int:
+    """``value`` as an int through ``operator.index`` (so no floats, strings or bools), in
+    ``[lo, hi]``; the error names the argument."""
     if isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be an integer, got {value!r}")
     try:
         v = operator.index(value)
     except TypeError:
         raise TypeError(f"{name} must be an integer, got {type(value).__name__}") from None
-    if v <= 0:
-        raise ValueError(f"{name} must be > 0, got {v}")
+    if v < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {v}")
+    if v > hi:
+        raise ValueError(f"{name} must be <= {hi}, got {v}")
     return v
+
+
+def positive_int(name: str, value, hi: int = INT32_MAX) -> int:
+    return integer(name, value, 1, hi)
+
+
+def option(name: str, value, allowed: tuple):
+    """A string option out of ``allowed`` (or None)."""
+    if value is not None and (not isinstance(value, str) or value not in allowed):
+        raise ValueError(f"{name} must be one of {allowed} or None, got {value!r}")
+    return value
+
+
+def flag(name: str, value) -> bool:
+    if not isinstance(value, (bool, np.bool_, int, np.integer)):
+        raise TypeError(f"{name} must be True or False, got {type(value).__name__}")
+    return bool(value)
+
+
+def check_buckets(num_experts: int, rows: int) -> None:
+    nb = num_experts * rows
+    if nb > MAX_BUCKETS:
+        what = "num_experts" if rows == 1 else f"max_loras * num_experts ({rows} * {num_experts})"
+        raise ValueError(f"{what} = {nb} buckets, more than the {MAX_BUCKETS} supported")
+
+
+def out_buffers(out, names: tuple, arg: str = "out"):
+    """The ``out=`` tuple as a tuple of ``len(names)`` arrays, or None; lists of numbers,
+    ``None`` entries and JAX arrays (immutable) are refused by name."""
+    if out is None:
+        return None
+    listing = f"{len(names)} arrays ({', '.join(names)})"
+    if not isinstance(out, (tuple, list)):
+        raise TypeError(f"{arg} must be a tuple of {listing}, got {type(out).__name__}")
+    if len(out) != len(names):
+        raise ValueError(f"{arg} must hold {listing}, got {len(out)}")
+    for name, x in zip(names, out):
+        if x is None:
+            raise TypeError(f"{arg} {name} is None: pass an int32 array, or {arg}=None to "
+                            "have the function allocate every output")
+        mod = type(x).__module__.split(".")[0]
+        if mod not in ("numpy", "cupy", "torch", "jax", "jaxlib") or np.isscalar(x):
+            raise TypeError(f"{arg} {name} must be an array to write into, got "
+                            f"{type(x).__name__}")
+        if mod in ("jax", "jaxlib"):
+            raise TypeError(f"{arg} {name} is a JAX array, which cannot be written in place: "
+                            f"leave {arg}=None and use the returned arrays")
+    return tuple(out)
 
 
 def check_topk_ids(topk_ids):
@@ -63,6 +115,8 @@ def check_output(name: str, x, rows: int, length: int):
         raise TypeError(f"out {name} must be int32, got {np.dtype(x.dtype)}")
     if not x.flags.c_contiguous:
         raise ValueError(f"out {name} must be C-contiguous")
+    if not getattr(x.flags, "writeable", True):
+        raise ValueError(f"out {name} is read-only")
     if x.ndim == 2 and rows > 1:
         if x.shape[0] != rows or x.shape[1] < length:
             raise ValueError(
@@ -96,10 +150,58 @@ def check_same_device(named: dict):
 
 
 def check_sizes(numel: int, rows: int, padded: int, num_tiles: int, block_size: int):
+    if numel > MAX_ROUTES:
+        raise ValueError(f"topk_ids has {numel} routes, more than the {MAX_ROUTES} supported")
     check_index_range("sorted_token_ids", rows * padded + block_size)
     check_index_range("expert_ids", rows * num_tiles)
-    if numel > INT32_MAX:
-        check_index_range("topk_ids", numel)
+
+
+def check_memory(nbytes: int, available: int, where: str):
+    """Refuse outputs that could never be allocated (before trying)."""
+    if available and nbytes > available:
+        raise ValueError(f"the outputs need {nbytes / 2**30:.1f} GiB but the {where} has "
+                         f"{available / 2**30:.1f} GiB: reduce the sizes")
+
+
+# ---- buffers that overlap -----------------------------------------------------------------
+def _address(x) -> int:
+    data = x.data
+    return int(data.ptr) if hasattr(data, "ptr") else int(x.__array_interface__["data"][0])
+
+
+def byte_extent(x, entries=None):
+    """``[lo, hi)`` byte addresses of an array (all of it, or its first ``entries`` elements
+    when it is contiguous), or None when empty."""
+    if entries is not None:
+        lo = _address(x)
+        return (lo, lo + entries * x.itemsize) if entries > 0 else None
+    if x.size == 0:
+        return None
+    lo = hi = _address(x)
+    for n, stride in zip(x.shape, x.strides):
+        reach = (n - 1) * stride
+        lo, hi = (lo + reach, hi) if reach < 0 else (lo, hi + reach)
+    return lo, hi + x.itemsize
+
+
+def check_disjoint(outputs: dict, inputs: dict) -> None:
+    """``outputs``: name -> (array, entries written); ``inputs``: name -> array or None.
+    Refuse an output that overlaps another output or an input, naming both."""
+    spans = []
+    for name, (x, entries) in outputs.items():
+        ext = byte_extent(x, entries)
+        if ext is not None:
+            spans.append((name, ext, True))
+    for name, x in inputs.items():
+        if x is not None:
+            ext = byte_extent(x)
+            if ext is not None:
+                spans.append((name, ext, False))
+    for i, (name, (lo, hi), written) in enumerate(spans):
+        for other, (olo, ohi), other_written in spans[i + 1:]:
+            if (written or other_written) and lo < ohi and olo < hi:
+                raise ValueError(f"{name} and {other} overlap in memory: every output "
+                                 "buffer needs memory of its own, apart from the inputs")
 
 
 # ---- value checks -------------------------------------------------------------------------
@@ -130,7 +232,7 @@ def check_token_lora_mapping_values(mapping, max_loras: int):
 
 
 def check_lora_ids_values(lora_ids, max_loras: int):
-    ids = _host(lora_ids)
+    ids = _host(lora_ids)[: max_loras + 1]  # the entries the kernels read
     slots = ids[(ids >= 0) & (ids < max_loras)]
     uniq, counts = np.unique(slots, return_counts=True)
     if (counts > 1).any():

@@ -61,7 +61,10 @@ def classify(named_arrays: dict):
     for name, x in named_arrays.items():
         if x is None:
             continue
-        w = placement(x)
+        try:
+            w = placement(x)
+        except TypeError as e:
+            raise TypeError(f"{name}: {e}") from None
         if where is None:
             where, framework, first = w, framework_of(x), name
         elif w != where:
@@ -70,10 +73,6 @@ def classify(named_arrays: dict):
                 "pass all arrays on the host or all on the same GPU"
             )
     return where or HOST, framework or "numpy"
-
-
-def device_of(x) -> int:
-    return int(x.device.id)
 
 
 def from_native(x, framework: str):

@@ -45,6 +45,14 @@ def device_limits(device_id: int) -> _dispatch.DeviceLimits:
                                   and _direct_launcher(cooperative=True) is not None)
 
 
+@functools.lru_cache(maxsize=None)
+def device_memory(device_id: int) -> int:
+    """Total memory of the device, bytes."""
+    import cupy
+
+    return int(cupy.cuda.runtime.getDeviceProperties(device_id)["totalGlobalMem"])
+
+
 COOP_CONTROL_WORDS = 8  # kernels/align_kernels.cu: align_cooperative's control words (6 used)
 
 

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 INT32_MAX = 2**31 - 1
+# The largest problems supported (and tested on the GPU): routes (T * K) and buckets
+# (max_loras * num_experts; num_experts for the base alignment).
+MAX_ROUTES = 2**24
+MAX_BUCKETS = 2**20
 
 
 def buffer_sizes(numel: int, num_experts: int, block_size: int, pad_sorted_ids: bool = False):
@@ -12,13 +16,11 @@ def buffer_sizes(numel: int, num_experts: int, block_size: int, pad_sorted_ids: 
     ``min(numel*B, P)`` when ``numel < E``; ``M = ceil(P / B)``. With an expert map, ``E`` is the
     global expert count (``len(expert_map)``).
     """
-    numel, num_experts, block_size = int(numel), int(num_experts), int(block_size)
-    if numel < 0:
-        raise ValueError(f"numel must be >= 0, got {numel}")
-    if num_experts <= 0:
-        raise ValueError(f"num_experts must be > 0, got {num_experts}")
-    if block_size <= 0:
-        raise ValueError(f"block_size must be > 0, got {block_size}")
+    from ._checks import integer
+
+    numel = integer("numel", numel, 0, INT32_MAX)
+    num_experts = integer("num_experts", num_experts, 1, INT32_MAX)
+    block_size = integer("block_size", block_size, 1, INT32_MAX)
     padded = numel + num_experts * (block_size - 1)
     if pad_sorted_ids:
         padded = -(-padded // block_size) * block_size

@@ -13,11 +13,18 @@ import numpy as np
 from . import _checks, _interop
 from ._kernels import kernels_for
 from ._launch import (MAP_AFTER, MAP_BEFORE, MAP_NONE, Job, Workspace, checked_launch,
-                      choose_streams, device_limits, issue_both, launch_one, record_launches,
+                      choose_streams, device_limits, device_memory, issue_both, launch_one, record_launches,
                       replay_launches, set_input_pointers, workspace_needs)
-from ._sizes import buffer_sizes
+from ._dispatch import VARIANTS
+from ._sizes import MAX_BUCKETS, buffer_sizes
 from ._streams import side_streams
-from .api import Alignment, LoraAlignment
+from .api import STREAM_MODES, Alignment, LoraAlignment
+
+
+def _gpu_available() -> bool:
+    from . import gpu_available
+
+    return gpu_available()
 
 
 def _on_device(device_id):
@@ -59,30 +66,49 @@ class AlignPlan:
                  dtype=np.int32, device=None, pad_sorted_ids=False,
                  ignore_invalid_experts=False, deterministic=False, variant=None,
                  streams=None):
-        import cupy
-
+        # Every argument is checked before any device is touched.
         self.max_tokens = _checks.positive_int("max_tokens", max_tokens)
         self.topk = _checks.positive_int("topk", topk)
         self.num_experts = _checks.positive_int("num_experts", num_experts)
         self.block_size = _checks.positive_int("block_size", block_size)
-        self.max_loras = None if max_loras is None else _checks.positive_int("max_loras",
-                                                                             max_loras)
-        self.dtype = np.dtype(dtype)
+        self.max_loras = None if max_loras is None else _checks.positive_int(
+            "max_loras", max_loras, MAX_BUCKETS)
+        _checks.check_buckets(self.num_experts, self.max_loras or 1)
+        try:
+            self.dtype = np.dtype(dtype)
+        except TypeError:
+            raise TypeError(f"dtype must be an integer dtype of topk_ids, got {dtype!r}") from None
         if self.dtype not in _checks.ID_DTYPES:
             raise TypeError(f"dtype must be an integer dtype of topk_ids, got {self.dtype}")
-        self.pad_sorted_ids = bool(pad_sorted_ids)
-        self.ignore_invalid_experts = bool(ignore_invalid_experts)
-        self.deterministic = bool(deterministic)
-        self.variant, self.streams = variant, streams
+        self.pad_sorted_ids = _checks.flag("pad_sorted_ids", pad_sorted_ids)
+        self.ignore_invalid_experts = _checks.flag("ignore_invalid_experts",
+                                                   ignore_invalid_experts)
+        self.deterministic = _checks.flag("deterministic", deterministic)
+        self.variant = _checks.option("variant", variant, VARIANTS)
+        self.streams = _checks.option("streams", streams, STREAM_MODES)
+        if device is not None:
+            device = _checks.integer("device", device, 0, 2**31 - 1)
+        rows = self.max_loras or 1
+        max_numel = self.max_tokens * self.topk
+        _checks.check_sizes(max_numel, rows, 0, 0, 0)
+        self.max_padded, self.max_tiles = buffer_sizes(max_numel, num_experts, block_size,
+                                                       pad_sorted_ids)
+        _checks.check_sizes(max_numel, rows, self.max_padded, self.max_tiles, block_size)
+        if not _gpu_available():
+            raise RuntimeError("AlignPlan needs CuPy and a CUDA GPU, and none is available "
+                               "here; the public functions (moe_align_block_size, ...) run "
+                               "NumPy arrays on the host backend")
+        import cupy
+
+        if device is not None and device >= cupy.cuda.runtime.getDeviceCount():
+            raise ValueError(f"device must be a CUDA device id below "
+                             f"{cupy.cuda.runtime.getDeviceCount()}, got {device}")
         self._cupy_array = cupy.ndarray
         self._runtime = cupy.cuda.runtime
         self.device_id = cupy.cuda.Device(device).id if device is not None else \
             cupy.cuda.Device().id
-        rows = self.max_loras or 1
-        max_numel = self.max_tokens * self.topk
-        self.max_padded, self.max_tiles = buffer_sizes(max_numel, num_experts, block_size,
-                                                       pad_sorted_ids)
-        _checks.check_sizes(max_numel, rows, self.max_padded, self.max_tiles, block_size)
+        nbytes = 4 * (rows + 1) * (self.max_padded + self.max_tiles + 1)
+        _checks.check_memory(nbytes, device_memory(self.device_id), "GPU")
 
         with cupy.cuda.Device(self.device_id):
             self.limits = device_limits(self.device_id)

@@ -377,7 +377,7 @@ def test_base_sizes_overflow_int32():
 
 
 def test_lora_sizes_overflow_int32():
-    topk = np.zeros((1024, 1), dtype=np.int32)  # P ~ 2**20 per row, 4096 rows
+    topk = np.zeros((1024, 1), dtype=np.int32)  # P = 2**22 per row, 1024 rows
     mapping = np.zeros(1024, dtype=np.int32)
     with pytest.raises(ValueError, match="sorted_token_ids.*int32"):
-        moe_lora_align_block_size(topk, mapping, 1024, 1024, 4096)
+        moe_lora_align_block_size(topk, mapping, 4096, 1024, 1024)
