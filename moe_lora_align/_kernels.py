@@ -8,6 +8,7 @@ covers every line that is compiled.
 from __future__ import annotations
 
 import functools
+import threading
 import re
 from pathlib import Path
 
@@ -112,6 +113,7 @@ class KernelSet:
 
 
 _loaded: dict = {}
+_load_lock = threading.Lock()
 
 
 def kernels_for(dtype, device_id: int, smem_optin: int) -> KernelSet:
@@ -120,7 +122,10 @@ def kernels_for(dtype, device_id: int, smem_optin: int) -> KernelSet:
     key = (np.dtype(dtype).str, device_id)
     ks = _loaded.get(key)
     if ks is None:
-        ks = _loaded[key] = KernelSet(dtype, device_id, smem_optin)
+        with _load_lock:  # one load per (dtype, device) however many threads ask at once
+            ks = _loaded.get(key)
+            if ks is None:
+                ks = _loaded[key] = KernelSet(dtype, device_id, smem_optin)
     return ks
 
 

@@ -32,6 +32,7 @@ PROBLEM_DTYPE = np.dtype([(n, np.uint64) for n in _POINTERS] + [(n, np.int32) fo
                             ("reserved_", np.int32)], align=True)
 
 MAP_NONE, MAP_BEFORE, MAP_AFTER = 0, 1, 2
+_state_lock = threading.RLock()  # guards the per-device caches that host threads share
 
 
 @functools.lru_cache(maxsize=None)
@@ -56,6 +57,13 @@ def device_memory(device_id: int) -> int:
 COOP_CONTROL_WORDS = 8  # kernels/align_kernels.cu: align_cooperative's control words (6 used)
 
 
+def workspace_entries(num_buckets: int, matrix_entries: int) -> int:
+    """int32 entries of one workspace: counts, starts, cursor and the cooperative kernel's two
+    count buffers (5 a bucket), the ticket and a spare start, the per-chunk matrix, and the
+    cooperative control words."""
+    return 5 * num_buckets + 2 + matrix_entries + COOP_CONTROL_WORDS
+
+
 class Workspace:
     """Reusable scratch of one alignment stream: counters that the kernels leave zeroed, and
     the cooperative kernel's two count buffers and control words (which it keeps itself)."""
@@ -66,15 +74,25 @@ class Workspace:
         self.matrix = -1
         self.generation = 0  # bumped on every reallocation: packed arguments hold its pointers
 
-    def ensure(self, num_buckets: int, matrix_entries: int):
+    def ensure(self, num_buckets: int, matrix_entries: int, stream=None):
+        """Grow to at least these sizes. The zeros are written on ``stream``, the stream the
+        kernels run on, so they come first; with no stream the host waits for them."""
+        if num_buckets <= self.buckets and matrix_entries <= self.matrix:
+            return self
+        with _state_lock:  # host threads sharing a stream share its workspace
+            return self._grow(num_buckets, matrix_entries, stream)
+
+    def _grow(self, num_buckets: int, matrix_entries: int, stream):
         import cupy
 
         if num_buckets > self.buckets or matrix_entries > self.matrix:
             nb = max(num_buckets, self.buckets, 1)
             nm = max(matrix_entries, self.matrix, 1)
-            with cupy.cuda.Device(self.device_id):
+            with cupy.cuda.Device(self.device_id), (stream or contextlib.nullcontext()):
                 # One allocation, zeroed once; the kernels restore the zeros they rely on.
-                self.buf = cupy.zeros(5 * nb + 2 + nm + COOP_CONTROL_WORDS, dtype=np.int32)
+                self.buf = cupy.zeros(workspace_entries(nb, nm), dtype=np.int32)
+                if stream is None:
+                    cupy.cuda.get_current_stream().synchronize()
             parts, at = {}, 0
             # The cooperative kernel's control words first: it reads four in one 16-byte load.
             for name, n in (("coop_control", COOP_CONTROL_WORDS), ("counts", nb),
@@ -311,7 +329,7 @@ def workspace_needs(launch: _dispatch.Launch, num_buckets: int):
 
 def launch_one(job: Job, launch: _dispatch.Launch, ws: Workspace, stream, device_id: int):
     """Issue one alignment on ``stream`` (no sync, no allocation when ``ws`` is large enough)."""
-    ws.ensure(*workspace_needs(launch, job.num_buckets))
+    ws.ensure(*workspace_needs(launch, job.num_buckets), stream)
     ks = kernels_for(job.topk_ids.dtype, device_id,
                      device_limits(device_id).smem_optin)
     pack(job, launch, ws)
@@ -345,15 +363,15 @@ def launch_pair(base: Job, lora: Job, launch, ws_base: Workspace, ws_lora: Works
     ks = kernels_for(base.topk_ids.dtype, device_id,
                      device_limits(device_id).smem_optin)
     if isinstance(launch, _dispatch.CooperativePair):
-        ws_base.ensure(base.num_buckets, 0)
-        ws_lora.ensure(lora.num_buckets, 0)
+        ws_base.ensure(base.num_buckets, 0, stream)
+        ws_lora.ensure(lora.num_buckets, 0, stream)
         pack(base, launch.base, ws_base)
         pack(lora, launch.lora, ws_lora)
         launch_kernel(ks, ("cooperative_pair", 0), launch.grid, _dispatch.BLOCK, launch.smem,
                       stream, base, lora, cooperative=True)
         return
-    ws_base.ensure(1, 0)
-    ws_lora.ensure(1, 0)
+    ws_base.ensure(1, 0, stream)
+    ws_lora.ensure(1, 0, stream)
     pack(base, launch, ws_base)
     pack(lora, launch, ws_lora)
     key = ("tiny_pair" if launch.tiny else "pair", launch.deterministic)
@@ -377,7 +395,8 @@ def workspace(device_id: int, stream, role: str = "base") -> Workspace:
     key = (device_id, int(stream.ptr), role)
     ws = _workspaces.get(key)
     if ws is None:
-        ws = _workspaces[key] = Workspace(device_id)
+        with _state_lock:
+            ws = _workspaces.setdefault(key, Workspace(device_id))
     return ws
 
 

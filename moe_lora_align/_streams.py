@@ -8,7 +8,7 @@ is legal inside a CUDA graph capture (the join brings both side streams back int
 
 from __future__ import annotations
 
-import functools
+import threading
 
 
 class SideStreams:
@@ -21,10 +21,16 @@ class SideStreams:
             self.forked = cupy.cuda.Event(disable_timing=True)
             self.first_done = cupy.cuda.Event(disable_timing=True)
             self.second_done = cupy.cuda.Event(disable_timing=True)
+        # The events are re-recorded by every fork: host threads take turns through it.
+        self.lock = threading.Lock()
 
     def run(self, caller, first_work, second_work):
         """Run ``first_work(stream)`` and ``second_work(stream)`` concurrently after all work
         already queued on ``caller``; work queued on ``caller`` afterwards sees both done."""
+        with self.lock:
+            self._run(caller, first_work, second_work)
+
+    def _run(self, caller, first_work, second_work):
         self.forked.record(caller)
         self.first.wait_event(self.forked)
         self.second.wait_event(self.forked)
@@ -39,6 +45,16 @@ class SideStreams:
             caller.wait_event(self.second_done)
 
 
-@functools.lru_cache(maxsize=None)
+_made: dict = {}
+_made_lock = threading.Lock()
+
+
 def side_streams(device_id: int) -> SideStreams:
-    return SideStreams(device_id)
+    """The side streams of a device, made once however many threads ask at once."""
+    sides = _made.get(device_id)
+    if sides is None:
+        with _made_lock:
+            sides = _made.get(device_id)
+            if sides is None:
+                sides = _made[device_id] = SideStreams(device_id)
+    return sides
