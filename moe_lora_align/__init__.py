@@ -1,10 +1,13 @@
 """moe_lora_align: MoE and multi-LoRA MoE alignment kernels (CUDA via CuPy, NumPy fallback).
 
 Public API: ``moe_align_block_size``, ``moe_lora_align_block_size``, ``align_moe_and_lora``,
-``AlignPlan`` (preallocated, CUDA-graph capturable), ``buffer_sizes`` and ``gpu_available``.
+``AlignPlan`` (preallocated, CUDA-graph capturable), ``buffer_sizes``, ``scratch_bytes``
+(device memory a call keeps beyond its outputs), ``gpu_available``, and the size limits
+``MAX_ROUTES`` and ``MAX_BUCKETS``.
 """
 
-from ._sizes import buffer_sizes
+from ._launch import scratch_bytes
+from ._sizes import MAX_BUCKETS, MAX_ROUTES, buffer_sizes
 from .api import (Alignment, AlignmentWithScatter, LoraAlignment, align_moe_and_lora,
                   moe_align_block_size, moe_lora_align_block_size)
 from .plan import AlignPlan
@@ -14,7 +17,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AlignPlan", "Alignment", "AlignmentWithScatter", "LoraAlignment", "align_moe_and_lora",
     "moe_align_block_size", "moe_lora_align_block_size", "buffer_sizes", "gpu_available",
-    "__version__",
+    "scratch_bytes", "MAX_ROUTES", "MAX_BUCKETS", "__version__",
 ]
 
 

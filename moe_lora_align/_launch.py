@@ -327,6 +327,27 @@ def workspace_needs(launch: _dispatch.Launch, num_buckets: int):
     return num_buckets, matrix
 
 
+def scratch_bytes(numel: int, num_experts: int, block_size: int, *, max_loras=None,
+                  deterministic: bool = False, variant=None, pad_sorted_ids: bool = False,
+                  limits: _dispatch.DeviceLimits | None = None, device: int = 0) -> int:
+    """Device memory, in bytes, that one base (or, with ``max_loras``, LoRA) alignment of
+    these sizes needs beyond its outputs: the workspace of the stream it runs on,
+    ``4 * (5*b + 10 + max(1, m))`` for ``b`` buckets (``max_loras * num_experts``) and ``m``
+    per-chunk offsets (``chunks * b`` for the shared-histogram and deterministic count + place
+    launches and the deterministic cooperative launch, else 0). A workspace is kept per
+    (device, stream) and grows to the largest call made on that stream; an ``AlignPlan``
+    holds its own two. ``limits``: the device's (default: those of GPU ``device``)."""
+    from ._sizes import buffer_sizes
+
+    rows = max_loras or 1
+    P, M = buffer_sizes(numel, num_experts, block_size, pad_sorted_ids)
+    limits = limits or device_limits(device)
+    nb = rows * num_experts
+    launch = checked_launch(numel, nb, rows, limits, deterministic, variant, rows * (P + M))
+    b, m = workspace_needs(launch, nb)
+    return 4 * workspace_entries(max(b, 1), max(m, 1))
+
+
 def launch_one(job: Job, launch: _dispatch.Launch, ws: Workspace, stream, device_id: int):
     """Issue one alignment on ``stream`` (no sync, no allocation when ``ws`` is large enough)."""
     ws.ensure(*workspace_needs(launch, job.num_buckets), stream)
