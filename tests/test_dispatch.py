@@ -319,3 +319,95 @@ def test_decode_with_a_large_fill_prefers_the_cooperative_launch():
     assert d.choose_pair(2048, 256, 16 * 256, 16, H200, out_entries=entries,
                          prefer_cooperative=True) is None
     assert d.choose_pair(2048, 256, 16 * 256, 16, H200, out_entries=entries) is not None
+
+
+# ---- every decision passes the launcher's guard, on both sides of every limit ---------------
+def _boundaries(limits, rows):
+    """Bucket counts on both sides of every limit the dispatcher and the kernels have."""
+    region = d.row_region_bytes(rows)
+    one_block = (limits.dynamic_smem - region) // 4 - 1     # starts[nb + 1]
+    shared_multi = (limits.dynamic_smem - region - 4) // 8  # hist[nb + 1] and base[nb]
+    coop = (limits.dynamic_smem - region - 8 - 8 * d.BLOCK) // 12
+    edges = [1, 1024, 4096, one_block, shared_multi, coop, 32768, 65536, 131072]
+    return sorted({max(rows, n + k) for n in edges for k in (0, 1)})
+
+
+def _sides_fit(launch, numel, nb, rows, limits):
+    d.check_launch(launch, numel, [(nb, rows)], limits)
+    assert d.kernel_demands(launch, numel, [(nb, rows)])
+
+
+@pytest.mark.parametrize("limits", [H200, NO_COOP, SMALL], ids=["h200", "no_coop", "small"])
+@pytest.mark.parametrize("rows", [1, 8, 32, 64])
+def test_every_choice_passes_the_launch_guard(limits, rows):
+    for nb in _boundaries(limits, rows):
+        for numel in (0, 1, 512, 4096, 4097, 32768, 131072, 132 * 8192 + 1):
+            entries = rows * (numel + nb)
+            for det in (False, True):
+                for variant in (None, "shared", "global", "cooperative"):
+                    try:
+                        launch = d.choose_launch(numel, nb, rows, limits, deterministic=det,
+                                                 variant=variant, out_entries=entries)
+                    except ValueError as e:
+                        assert variant in ("shared", "cooperative"), e
+                        assert f"variant='{variant}'" in str(e)
+                        continue
+                    _sides_fit(launch, numel, nb, rows, limits)
+
+
+def test_the_32768_bucket_crash_is_gone():
+    # LoRA 32 slots x 1024 experts at T=4096 K=8 picked the shared count + place launches,
+    # whose place kernel needed 262 KB of shared memory (CUDA_ERROR_INVALID_VALUE).
+    for experts, slots, tokens in ((1024, 32, 4096), (2048, 16, 16384), (4096, 8, 4096)):
+        nb, numel = experts * slots, tokens * 8
+        launch = d.choose_launch(numel, nb, slots, H200, out_entries=slots * numel)
+        _sides_fit(launch, numel, nb, slots, H200)
+        assert launch.variant == "global"
+        with pytest.raises(ValueError, match="variant='shared'.*two ints a bucket"):
+            d.choose_launch(numel, nb, slots, H200, variant="shared")
+
+
+def test_shared_multi_limit_is_the_place_kernels():
+    rows = 4
+    top = (H200.dynamic_smem - d.row_region_bytes(rows) - 4) // 8
+    assert d.shared_fits(top, rows, H200) and not d.shared_fits(top + 1, rows, H200)
+    assert d.choose_launch(65536, top, rows, NO_COOP).variant == "shared"
+    assert d.choose_launch(65536, top + 1, rows, NO_COOP).variant == "global"
+
+
+@pytest.mark.parametrize("field,value,why", [
+    ("smem_place", 131072, "layout needs"),
+    ("smem_place", 300000, "more than the"),
+    ("block", 1000, "block of 1000"),
+    ("chunk", 8, "do not cover"),
+])
+def test_guard_refuses_what_a_kernel_cannot_run(field, value, why):
+    import dataclasses
+    nb, numel = 32768, 32768
+    launch = d.choose_launch(numel, nb, 32, H200)
+    bad = dataclasses.replace(launch, **{field: value})
+    with pytest.raises(d.LaunchRefused, match=why):
+        d.check_launch(bad, numel, [(nb, 32)], H200)
+
+
+def test_guard_refuses_a_cooperative_grid_that_cannot_be_resident():
+    import dataclasses
+    launch = d.choose_launch(8192, 256, 1, H200, variant="cooperative")
+    with pytest.raises(d.LaunchRefused, match="resident"):
+        d.check_launch(dataclasses.replace(launch, grid=133), 8192, [(256, 1)], H200)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 16, 64])
+@pytest.mark.parametrize("det", [False, True])
+def test_every_pair_passes_the_launch_guard(rows, det):
+    for experts in (1, 64, 256, 1024, 4096, 8192):
+        for numel in (0, 1, 64, 512, 2048, 4096, 8192, 131072):
+            sides = [(experts, 1), (rows * experts, rows)]
+            pair = d.choose_pair(numel, experts, rows * experts, rows, H200, deterministic=det,
+                                 out_entries=rows * (numel + experts))
+            if pair is not None:
+                d.check_launch(pair, numel, sides, H200)
+            if not det:
+                coop = d.choose_cooperative_pair(numel, experts, rows * experts, rows, H200)
+                if coop is not None:
+                    d.check_launch(coop, numel, sides, H200)
