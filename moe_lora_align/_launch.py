@@ -411,7 +411,7 @@ def pair_ready(pair, base: Job, lora: Job, ws_base: Workspace, ws_lora: Workspac
 _workspaces: dict = {}
 
 
-def workspace(device_id: int, stream, role: str = "base") -> Workspace:
+def stream_workspace(device_id: int, stream, role: str = "base") -> Workspace:
     """The scratch of one (device, stream, role): calls on one stream reuse it in order."""
     key = (device_id, int(stream.ptr), role)
     ws = _workspaces.get(key)
@@ -439,8 +439,9 @@ def _ready(ws: Workspace, launch: _dispatch.Launch, job: Job, device_id: int) ->
 
 
 def run(job: Job, device_id: int, framework: str, *, variant=None, stream=None,
-        needs_alloc=False):
-    """Launch one alignment from the public functions on the caller's stream."""
+        needs_alloc=False, workspace=None):
+    """Launch one alignment on the caller's stream, with the stream's workspace (or the one
+    given: an AlignPlan's); returns the workspaces used."""
     import cupy
 
     from ._interop import caller_stream
@@ -448,20 +449,17 @@ def run(job: Job, device_id: int, framework: str, *, variant=None, stream=None,
     with cupy.cuda.Device(device_id):
         s = caller_stream(framework, device_id, stream)
         launch = plan_launch(job, device_id, variant)
-        ws = workspace(device_id, s)
+        ws = workspace or stream_workspace(device_id, s)
         check_capturable(s, needs_alloc or not _ready(ws, launch, job, device_id), "this call")
         launch_one(job, launch, ws, s, device_id)
-
-
-STREAM_MODES = ("fused", "one", "two")
+    return [ws]
 
 
 def choose_streams(base: Job, lora: Job, device_id: int, streams=None, variant=None):
     """Pick how base + LoRA run: ``fused`` (one launch: two blocks at decode sizes, else a
     cooperative launch split between them), ``one`` (both on the caller's stream) or ``two``
-    (forked onto two side streams). Returns (mode, fused launch or None)."""
-    if streams is not None and streams not in STREAM_MODES:
-        raise ValueError(f"streams must be one of {STREAM_MODES} or None, got {streams!r}")
+    (forked onto two side streams); ``streams`` was checked where the call entered.
+    Returns (mode, fused launch or None)."""
     limits = device_limits(device_id)
     pair = None
     if variant in (None, "shared"):
@@ -504,8 +502,10 @@ def issue_both(mode, pair, base, base_launch, base_ws, lora, lora_launch, lora_w
 
 
 def run_pair(base: Job, lora: Job, device_id: int, framework: str, *, streams=None,
-             variant=None, stream=None, needs_alloc=False):
-    """Launch base and LoRA alignment together, ordered on the caller's stream."""
+             variant=None, stream=None, needs_alloc=False, workspaces=None, sides=None):
+    """Launch base and LoRA alignment together, ordered on the caller's stream, with the
+    streams' workspaces (or the two given: an AlignPlan's); returns ``(mode, workspaces
+    used, side streams or None)``."""
     import cupy
 
     from ._interop import caller_stream
@@ -514,9 +514,10 @@ def run_pair(base: Job, lora: Job, device_id: int, framework: str, *, streams=No
     with cupy.cuda.Device(device_id):
         s = caller_stream(framework, device_id, stream)
         mode, pair = choose_streams(base, lora, device_id, streams, variant)
-        sides = side_streams(device_id) if mode == "two" else None
+        sides = (sides or side_streams(device_id)) if mode == "two" else None
         first, second = (sides.first, sides.second) if sides else (s, s)
-        ws_b, ws_l = workspace(device_id, second, "base"), workspace(device_id, first, "lora")
+        ws_b, ws_l = workspaces or (stream_workspace(device_id, second, "base"),
+                                    stream_workspace(device_id, first, "lora"))
         if mode == "fused":
             lb = ll = pair
             cold = not pair_ready(pair, base, lora, ws_b, ws_l, device_id)
@@ -525,4 +526,4 @@ def run_pair(base: Job, lora: Job, device_id: int, framework: str, *, streams=No
             cold = not (_ready(ws_b, lb, base, device_id) and _ready(ws_l, ll, lora, device_id))
         check_capturable(s, needs_alloc or cold, "this call")
         issue_both(mode, pair, base, lb, ws_b, lora, ll, ws_l, s, device_id, sides)
-        return mode
+        return mode, [ws_b, ws_l], sides

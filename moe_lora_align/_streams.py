@@ -30,6 +30,24 @@ class SideStreams:
         with self.lock:
             self._run(caller, first_work, second_work)
 
+    def run_raw(self, caller_ptr: int, first_work, second_work):
+        """``run`` for a prepared call's replay: the caller's stream and the streams given to
+        the work are raw pointers."""
+        from cupy.cuda import runtime
+
+        with self.lock:
+            runtime.eventRecord(self.forked.ptr, caller_ptr)
+            runtime.streamWaitEvent(self.first.ptr, self.forked.ptr)
+            runtime.streamWaitEvent(self.second.ptr, self.forked.ptr)
+            try:
+                first_work(self.first.ptr)
+                second_work(self.second.ptr)
+            finally:
+                runtime.eventRecord(self.first_done.ptr, self.first.ptr)
+                runtime.eventRecord(self.second_done.ptr, self.second.ptr)
+                runtime.streamWaitEvent(caller_ptr, self.first_done.ptr)
+                runtime.streamWaitEvent(caller_ptr, self.second_done.ptr)
+
     def _run(self, caller, first_work, second_work):
         self.forked.record(caller)
         self.first.wait_event(self.forked)

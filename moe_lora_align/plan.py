@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _checks, _interop
-from ._kernels import kernels_for
-from ._launch import (MAP_AFTER, MAP_BEFORE, MAP_NONE, Job, Workspace, checked_launch,
-                      choose_streams, device_limits, device_memory, issue_both, launch_one, record_launches,
-                      replay_launches, set_input_pointers, workspace_needs)
+from . import _call, _checks, _interop
+from ._call import STREAM_MODES
 from ._dispatch import VARIANTS
+from ._kernels import kernels_for
+from ._launch import (MAP_BEFORE, MAP_NONE, Workspace, checked_launch, device_limits,
+                      device_memory, workspace_needs)
 from ._sizes import MAX_BUCKETS, buffer_sizes
 from ._streams import side_streams
-from .api import STREAM_MODES, Alignment, LoraAlignment
+from .api import Alignment, LoraAlignment
 
 
 def _gpu_available() -> bool:
@@ -56,10 +56,12 @@ class AlignPlan:
     Calling the plan returns views of its own buffers: the next call overwrites them. Rows of
     LoRA slots that a call does not process read as the empty alignment.
 
-    A call with CuPy arrays whose shapes, strides, dtypes and devices match an earlier call's
-    (and the same ``streams``) replays that call's launches: its checks passed for exactly
-    these properties, so only the input pointers are rewritten before the same kernels go to
-    the driver again. A plan is not thread-safe.
+    A call goes the public functions' way (``_call``) with the plan's buffers as ``out=`` and
+    its own workspaces. A call with CuPy or PyTorch arrays whose shapes, strides, dtypes and
+    device match an earlier call's (same ``streams``, same stream) replays that call's
+    launches: its checks passed for exactly these properties, so only the input pointers are
+    rewritten before the same kernels go to the driver again. Its results are views of the
+    plan's buffers, so one plan serves one host thread at a time.
     """
 
     def __init__(self, max_tokens, topk, num_experts, block_size, *, max_loras=None,
@@ -116,10 +118,8 @@ class AlignPlan:
             self._base_out = (cupy.empty(self.max_padded, np.int32),
                               cupy.empty(self.max_tiles, np.int32), cupy.empty(1, np.int32))
             self._base_ws = Workspace(self.device_id)
-            self._launches = {}
-            self._jobs_cache = {}
-            self._stream_choice = {}
-            self._replays = {}
+            self._view_cache = {}
+            self._prepared = {}
             if self.max_loras is not None:
                 self._lora_out = (cupy.empty(rows * self.max_padded, np.int32),
                                   cupy.empty(rows * self.max_tiles, np.int32),
@@ -128,54 +128,53 @@ class AlignPlan:
                 self._sides = side_streams(self.device_id)
             # Scratch for the largest call; every smaller call needs no more (see dispatcher).
             for numel in sorted({0, 1, max_numel}):
-                self._geometry(numel)
+                self._grow_workspaces(numel)
 
     # ---- sizes -----------------------------------------------------------------------------
-    def _geometry(self, numel):
-        """Launch decisions of one size, cached; grows the workspaces when first seen."""
-        g = self._launches.get(numel)
-        if g is not None:
-            return g
-        grown_from = self._generations()
+    def _grow_workspaces(self, numel):
+        """Size the workspaces for calls of ``numel`` routes (the dispatcher's choices)."""
         P, M = buffer_sizes(numel, self.num_experts, self.block_size, self.pad_sorted_ids)
         E = self.num_experts
         base = checked_launch(numel, E, 1, self.limits, self.deterministic, self.variant,
                               P + M)
         self._base_ws.ensure(*workspace_needs(base, E))
-        lora = None
         if self.max_loras is not None:
             nb = self.max_loras * E
             lora = checked_launch(numel, nb, self.max_loras, self.limits, self.deterministic,
                                   self.variant, self.max_loras * (P + M))
             self._lora_ws.ensure(*workspace_needs(lora, nb))
-        g = self._launches[numel] = (P, M, base, lora)
-        if self._generations() != grown_from:
-            self._replays.clear()  # a workspace grew: recorded arguments point at the old one
-        return g
 
-    def _generations(self):
-        return (self._base_ws.generation,
-                self._lora_ws.generation if self.max_loras is not None else 0)
+    # ---- calls: the public functions' path, with the plan's buffers and workspaces -------
+    def __call__(self, topk_ids, token_lora_mapping=None, *, lora_ids=None,
+                 adapter_enabled=None, expert_map=None, stream=None, streams=None):
+        """Align one batch; returns ``Alignment`` or, with ``max_loras``, ``(Alignment,
+        LoraAlignment)``, as views of the plan's buffers, ordered on ``stream`` (default:
+        the current stream of the input's framework)."""
+        if self.max_loras is None:
+            token_lora_mapping = lora_ids = adapter_enabled = None
+        inputs = (topk_ids, token_lora_mapping, lora_ids, adapter_enabled, expert_map)
+        streams = self.streams if streams is None else streams
+        found = _call.properties(inputs)
+        if found is not None:
+            props, ptrs, kind = found
+            device = props[0][4] if props[0] is not None else None
+            if device == self.device_id and _call.current_device() == device:
+                sp = _call.stream_pointer(kind, device, stream)
+                prep = _call.lookup(self._prepared, (streams, props, sp))
+                if prep is not None:
+                    return self._result(prep.run(ptrs, None, sp))
+        return self._full_call(inputs, streams, stream)
 
-    # ---- calls -----------------------------------------------------------------------------
-    def _inputs(self, topk_ids, token_lora_mapping, lora_ids, adapter_enabled, expert_map):
-        named = {"topk_ids": topk_ids, "token_lora_mapping": token_lora_mapping,
-                 "lora_ids": lora_ids, "adapter_enabled": adapter_enabled,
-                 "expert_map": expert_map}
-        if all(x is None or type(x) is self._cupy_array for x in named.values()):
-            framework, native = "cupy", named  # the common case, without the interop walk
-        else:
-            where, framework = _interop.classify(named)
-            if where != _interop.DEVICE:
-                raise ValueError("AlignPlan runs on the GPU: pass device arrays (CuPy, "
-                                 "PyTorch CUDA or JAX GPU); use the public functions for "
-                                 "host arrays")
-            native = {k: _interop.to_native(v, where) for k, v in named.items()}
-        dev = _checks.check_same_device(native)
-        if dev != self.device_id:
-            raise ValueError(f"inputs are on GPU {dev} but the plan was built for GPU "
-                             f"{self.device_id}")
-        ids = native["topk_ids"]
+    def _full_call(self, inputs, streams, stream):
+        topk_ids, token_lora_mapping, lora_ids, adapter_enabled, expert_map = inputs
+        streams = _checks.option("streams", streams, STREAM_MODES)
+        if topk_ids is None:
+            raise TypeError("topk_ids is required: a [tokens, topk] integer array")
+        where, framework = _interop.classify({"topk_ids": topk_ids})
+        if where != _interop.DEVICE:
+            raise ValueError("AlignPlan runs on the GPU: pass device arrays (CuPy, PyTorch "
+                             "CUDA or JAX GPU); use the public functions for host arrays")
+        ids = _interop.to_native(topk_ids, where)
         _checks.check_topk_ids(ids)
         T, K = int(ids.shape[0]), int(ids.shape[1])
         if np.dtype(ids.dtype) != self.dtype:
@@ -187,137 +186,67 @@ class AlignPlan:
         if T > self.max_tokens:
             raise ValueError(f"topk_ids has {T} tokens, more than the plan's max_tokens="
                              f"{self.max_tokens}: build a larger AlignPlan")
-        if not ids.flags.c_contiguous:
-            raise ValueError("topk_ids must be C-contiguous")
-        if native["expert_map"] is not None:
-            _checks.check_int32_vector("expert_map", native["expert_map"], self.num_experts,
-                                       exact=True)
+        if int(ids.data.device_id) != self.device_id:
+            raise ValueError(f"inputs are on GPU {int(ids.data.device_id)} but the plan was "
+                             f"built for GPU {self.device_id}")
+        if self.max_loras is not None and token_lora_mapping is None:
+            raise TypeError("token_lora_mapping is required: the plan has max_loras set")
+        base_out, lora_out, answered = self._views(T * K, framework)
+        calls = [_call.prepare(topk_ids, self.block_size, self.num_experts, rows=1,
+                               expert_map=expert_map,
+                               map_mode=_call.map_mode(expert_map, self.ignore_invalid_experts),
+                               pad_sorted_ids=self.pad_sorted_ids,
+                               deterministic=self.deterministic, out=base_out,
+                               fill_unprocessed=True)]
         if self.max_loras is not None:
-            if native["token_lora_mapping"] is None:
-                raise ValueError("token_lora_mapping is required: the plan has max_loras set")
-            _checks.check_int32_vector("token_lora_mapping", native["token_lora_mapping"], T,
-                                       exact=True)
-            _checks.check_int32_vector("lora_ids", native["lora_ids"], self.max_loras + 1)
-            _checks.check_int32_vector("adapter_enabled", native["adapter_enabled"],
-                                       self.max_loras + 1)
-        return framework, native, T * K
-
-    def _jobs(self, native, numel):
-        """The two jobs of one size, built once and cached (outputs are fixed views); each
-        call only points them at its inputs. A plan is therefore not thread-safe."""
-        cached = self._jobs_cache.get(numel)
-        if cached is None:
-            cached = self._jobs_cache[numel] = self._build_jobs(numel)
-        base, base_launch, lora, lora_launch = cached
-        ids = native["topk_ids"].reshape(-1)
-        emap = native["expert_map"]
-        base.topk_ids, base.expert_map = ids, emap
-        base.map_mode = MAP_NONE if emap is None else (
-            MAP_BEFORE if self.ignore_invalid_experts else MAP_AFTER)
-        if lora is not None:
-            lora.topk_ids, lora.expert_map = ids, emap
-            lora.map_mode = MAP_NONE if emap is None else MAP_BEFORE  # LoRA always maps first
-            lora.token_slot = native["token_lora_mapping"]
-            lora.lora_ids, lora.adapter_enabled = native["lora_ids"], native["adapter_enabled"]
-        return base, base_launch, lora, lora_launch
-
-    def _build_jobs(self, numel):
-        P, M, base_launch, lora_launch = self._geometry(numel)
-        s, e, n = self._base_out
-        common = dict(topk_ids=None, numel=numel, topk=self.topk, num_experts=self.num_experts,
-                      block_size=self.block_size, padded_len=P, num_tiles=M,
-                      sorted_pitch=P, expert_pitch=M, fill_unprocessed=True,
-                      deterministic=self.deterministic)
-        base = Job(rows=1, sorted_ids=s[:P], expert_ids=e[:M], num_post_pad=n, **common)
-        base.result = Alignment(base.sorted_ids, base.expert_ids, base.num_post_pad)
-        lora = None
-        if self.max_loras is not None:
-            rows = self.max_loras
-            s, e, n = self._lora_out
-            lora = Job(rows=rows, sorted_ids=s[:rows * P].reshape(rows, P),
-                       expert_ids=e[:rows * M].reshape(rows, M), num_post_pad=n, **common)
-            lora.result = LoraAlignment(lora.sorted_ids, lora.expert_ids, lora.num_post_pad)
-        return base, base_launch, lora, lora_launch
-
-    def __call__(self, topk_ids, token_lora_mapping=None, *, lora_ids=None,
-                 adapter_enabled=None, expert_map=None, stream=None, streams=None):
-        """Align one batch; returns ``Alignment`` or, with ``max_loras``, ``(Alignment,
-        LoraAlignment)``, as views of the plan's buffers, ordered on ``stream`` (default:
-        the current stream of the input's framework)."""
-        inputs = (topk_ids, token_lora_mapping, lora_ids, adapter_enabled, expert_map)
-        key = self._replay_key(inputs, streams)
-        replay = self._replays.get(key) if key is not None else None
-        if replay is not None and self._runtime.getDevice() == self.device_id:
-            return self._replay(replay, inputs, stream)
-        framework, native, numel = self._inputs(*inputs)
-        base, base_launch, lora, lora_launch = self._jobs(native, numel)
+            calls.append(_call.prepare(
+                topk_ids, self.block_size, self.num_experts, rows=self.max_loras,
+                token_lora_mapping=token_lora_mapping, lora_ids=lora_ids,
+                adapter_enabled=adapter_enabled, expert_map=expert_map,
+                map_mode=MAP_NONE if expert_map is None else MAP_BEFORE,
+                pad_sorted_ids=self.pad_sorted_ids, deterministic=self.deterministic,
+                out=lora_out, lora=True, fill_unprocessed=True))
         with _on_device(self.device_id):
-            s = _interop.caller_stream(framework, self.device_id, stream)
-            with record_launches() as recorded:
-                if lora is None:
-                    launch_one(base, base_launch, self._base_ws, s, self.device_id)
-                else:
-                    self._run_both(base, base_launch, lora, lora_launch, s,
-                                   streams if streams is not None else self.streams)
-        out = base.result
-        if framework != "cupy":
-            out = Alignment(*(_interop.from_native(x, framework) for x in out))
-        result = out
-        if lora is not None:
-            lora_out = lora.result
-            if framework != "cupy":
-                lora_out = LoraAlignment(*(_interop.from_native(x, framework)
-                                           for x in lora_out))
-            result = (out, lora_out)
-        if key is not None:
-            self._keep_replay(key, recorded, s, lora, result)
-        return result
-
-    # ---- replays of earlier calls ----------------------------------------------------------
-    def _replay_key(self, inputs, streams):
-        """What a call's checks and launches depend on, or None when an input is not a CuPy
-        array (then the call takes the full path)."""
-        key = [streams]
-        for x in inputs:
-            if x is None:
-                key.append(None)
-            elif type(x) is self._cupy_array:
-                key.append((x.shape, x.strides, x.dtype, x.data.device_id))
+            if len(calls) == 1:
+                launched = _call.launch_calls(calls, None, self.variant, stream,
+                                              workspaces=self._base_ws)
             else:
-                return None
-        return tuple(key)
+                launched = _call.launch_calls(calls, streams, self.variant, stream,
+                                              workspaces=(self._base_ws, self._lora_ws),
+                                              sides=self._sides)
+        _call._note_kinds(*inputs)
+        found = _call.properties(inputs)
+        if found is not None:
+            props, ptrs, kind = found
+            sp = _call.stream_pointer(kind, self.device_id, stream)
+            if sp is not None:
+                outs = list(base_out) + list(lora_out or ())
+                prep = _call.build_prepared(calls, launched, inputs, ptrs, kind, sp,
+                                            fixed=([int(x.data.ptr) for x in outs], answered))
+                if prep is not None:
+                    _call.keep(self._prepared, (streams, props, sp), prep)
+        return self._result(answered)
 
-    def _keep_replay(self, key, recorded, stream, lora, result):
-        """Keep a call's launches for replay when every one went straight to the driver on
-        the caller's stream (not forked onto the side streams, not CuPy's own call)."""
-        if not recorded or any(r is None or r.stream_ptr != stream.ptr for r in recorded):
-            return
-        packed = {}
-        for r in recorded:
-            for job, job_packed, _, _ in r.held:
-                packed[id(job_packed)] = (job_packed, job is lora)
-        if len(self._replays) >= 4096:
-            self._replays.clear()
-        self._replays[key] = (tuple(recorded), tuple(packed.values()), result)
+    def _views(self, numel, framework):
+        """The plan's outputs for calls of ``numel`` routes: views of its buffers (CuPy, for
+        the kernels) and the same views in ``framework`` (the answer), made once."""
+        key = (numel, framework)
+        views = self._view_cache.get(key)
+        if views is None:
+            P, M = buffer_sizes(numel, self.num_experts, self.block_size, self.pad_sorted_ids)
+            s, e, n = self._base_out
+            base = (s[:P], e[:M], n)
+            lora = None
+            if self.max_loras is not None:
+                rows = self.max_loras
+                s, e, n = self._lora_out
+                lora = (s[:rows * P].reshape(rows, P), e[:rows * M].reshape(rows, M), n)
+            answered = tuple(x if framework == "cupy" else _interop.from_native(x, framework)
+                             for x in base + (lora or ()))
+            views = self._view_cache[key] = (base, lora, answered)
+        return views
 
-    def _replay(self, replay, inputs, stream):
-        launches, packed, result = replay
-        ids, mapping, lora_ids, enabled, emap = (0 if x is None else x.data.ptr for x in inputs)
-        for job_packed, is_lora in packed:
-            if is_lora:
-                set_input_pointers(job_packed, ids, mapping, lora_ids, enabled, emap)
-            else:
-                set_input_pointers(job_packed, ids, 0, 0, 0, emap)
-        replay_launches(launches, _interop.caller_stream("cupy", self.device_id, stream).ptr)
-        return result
-
-    def _run_both(self, base, base_launch, lora, lora_launch, caller, streams):
-        key = (base.numel, streams)
-        choice = self._stream_choice.get(key)
-        if choice is None:
-            choice = self._stream_choice[key] = choose_streams(base, lora, self.device_id,
-                                                               streams, self.variant)
-        mode, pair = choice
-        issue_both(mode, pair, base, base_launch, self._base_ws, lora, lora_launch,
-                   self._lora_ws, caller, self.device_id, self._sides)
-        return mode
+    def _result(self, outputs):
+        if self.max_loras is None:
+            return Alignment(*outputs)
+        return Alignment(*outputs[:3]), LoraAlignment(*outputs[3:])

@@ -170,7 +170,7 @@ def test_bad_input_row(row, call, given, error, words):
 
 
 def test_outputs_larger_than_memory(monkeypatch):
-    monkeypatch.setattr(mla.api, "_available_memory", lambda where, device: 64)
+    monkeypatch.setattr(mla._call, "_available_memory", lambda where, device: 64)
     with pytest.raises(ValueError, match="the outputs need"):
         base()()
 

@@ -1,0 +1,604 @@
+"""One call path: where a call's arguments become a checked, launch-ready problem.
+
+The public functions and ``AlignPlan`` both come through here. A call is checked from its
+arguments alone (``prepare``), its outputs allocated only after every check passed
+(``allocate``), then run on the NumPy backend or launched on the GPU. On the GPU a call whose
+arguments have the properties of an earlier one (framework, shapes, strides, dtypes, device,
+options, stream, ``out=`` given or not) is served by that call's ``Prepared`` form: its checks
+held for exactly these properties and its launches are recorded, so only the pointers are
+rewritten before the same kernels go to the driver again.
+"""
+
+from __future__ import annotations
+
+import operator
+import struct
+import threading
+
+import numpy as np
+
+from . import _checks, _interop
+from ._dispatch import VARIANTS
+from ._launch import MAP_AFTER, MAP_BEFORE, MAP_NONE, Job
+from ._reference import align_rows, processed_rows
+from ._sizes import MAX_BUCKETS, buffer_sizes
+
+BASE_OUTS = ("sorted_token_ids", "expert_ids", "num_tokens_post_pad")
+SCATTER_OUT = ("scatter_idx",)
+STREAM_MODES = ("fused", "one", "two")
+
+
+def map_mode(expert_map, ignore_invalid_experts):
+    if expert_map is None:
+        return MAP_NONE
+    return MAP_BEFORE if ignore_invalid_experts else MAP_AFTER
+
+
+# ---- checking a call ----------------------------------------------------------------------
+class Call:
+    """A checked call: where it runs, the framework to answer in, and the job to run. The
+    outputs it allocates itself come later (``allocate``), once every check has passed."""
+
+    def __init__(self, where, framework, device_id, job, results, out_shapes):
+        self.where, self.framework, self.device_id = where, framework, device_id
+        self.job, self.results, self.out_shapes = job, results, out_shapes
+
+
+def _alloc(where, device_id, shape):
+    if where == _interop.HOST:
+        return np.empty(shape, dtype=np.int32)
+    import cupy
+
+    with cupy.cuda.Device(device_id):
+        return cupy.empty(shape, dtype=np.int32)
+
+
+def _available_memory(where, device_id) -> int:
+    """Bytes the outputs could ever have: the GPU's memory, or the host's (0: unknown)."""
+    if where == _interop.DEVICE:
+        from ._launch import device_memory
+
+        return device_memory(device_id)
+    try:
+        import os
+
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def prepare(topk_ids, block_size, num_experts, *, rows, token_lora_mapping=None,
+             lora_ids=None, adapter_enabled=None, expert_map=None, map_mode=MAP_NONE,
+             pad_sorted_ids=False, scatter=False, deterministic=False, out=None,
+             validate=None, lora=False, out_arg="out", fill_unprocessed=None):
+    """Check one call from its arguments alone and build its job (outputs not allocated)."""
+    block_size = _checks.positive_int("block_size", block_size)
+    num_experts = _checks.positive_int("num_experts", num_experts)
+    _checks.check_buckets(num_experts, rows)
+    pad_sorted_ids = _checks.flag("pad_sorted_ids", pad_sorted_ids)
+    deterministic = _checks.flag("deterministic", deterministic)
+    if validate is not None:
+        validate = _checks.flag("validate", validate)
+    names = BASE_OUTS + (SCATTER_OUT if scatter else ())
+    outs = _checks.out_buffers(out, names, out_arg)
+    if topk_ids is None:
+        raise TypeError("topk_ids is required: a [tokens, topk] integer array")
+    if lora and token_lora_mapping is None:
+        raise TypeError("token_lora_mapping is required: an int32 [tokens] array")
+    inputs = {"topk_ids": topk_ids, "token_lora_mapping": token_lora_mapping,
+              "lora_ids": lora_ids, "adapter_enabled": adapter_enabled,
+              "expert_map": expert_map}
+    out_named = {f"{out_arg} {n}": o for n, o in zip(names, outs or ())}
+    where, framework = _interop.classify({**inputs, **out_named})
+    native = {k: _interop.to_native(v, where) for k, v in inputs.items()}
+    given = {k: _interop.to_native(v, where) for k, v in out_named.items()}
+    device_id = None
+    if where == _interop.DEVICE:
+        device_id = _checks.check_same_device({**native, **given})
+
+    ids = native["topk_ids"]
+    _checks.check_topk_ids(ids)
+    tokens, topk = int(ids.shape[0]), int(ids.shape[1])
+    numel = tokens * topk
+    if native["expert_map"] is not None:
+        _checks.check_int32_vector("expert_map", native["expert_map"], num_experts, exact=True)
+    if lora:
+        _checks.check_int32_vector("token_lora_mapping", native["token_lora_mapping"], tokens,
+                                   exact=True)
+        _checks.check_int32_vector("lora_ids", native["lora_ids"], rows + 1)
+        _checks.check_int32_vector("adapter_enabled", native["adapter_enabled"], rows + 1)
+
+    P, M = buffer_sizes(numel, num_experts, block_size, pad_sorted_ids)
+    _checks.check_sizes(numel, rows, P, M, block_size)
+
+    pitches, written = [], {}
+    for n, length in zip(names, (P, M, 1, numel)):
+        buf = given.get(f"{out_arg} {n}")
+        if buf is None:
+            continue
+        r = rows if n in ("sorted_token_ids", "expert_ids") else 1
+        full = length if n != "num_tokens_post_pad" else rows
+        pitch = _checks.check_output(f"{out_arg} {n}" if out_arg != "out" else n, buf, r, full)
+        pitches.append(pitch)
+        written[f"{out_arg} {n}"] = (buf, r * pitch)
+    if outs is None:
+        shapes = [(rows, P), (rows, M), (rows,)] if lora else [(P,), (M,), (1,)]
+        shapes += [(numel,)] if scatter else []
+        nbytes = 4 * sum(int(np.prod(sh)) for sh in shapes)
+        _checks.check_memory(nbytes, _available_memory(where, device_id),
+                             "GPU" if where == _interop.DEVICE else "host")
+    else:
+        shapes = None
+        _checks.check_disjoint(written, native)
+
+    if validate is None:
+        validate = where == _interop.HOST
+    if validate:
+        if native["expert_map"] is not None:
+            _checks.check_expert_map_values(native["expert_map"], num_experts)
+        if lora:
+            _checks.check_token_lora_mapping_values(native["token_lora_mapping"], rows)
+            if native["lora_ids"] is not None:
+                _checks.check_lora_ids_values(native["lora_ids"], rows)
+
+    bufs = [given[f"{out_arg} {n}"] for n in names] if outs is not None else [None] * len(names)
+    job = Job(topk_ids=ids.reshape(-1), numel=numel, topk=topk, num_experts=num_experts,
+              block_size=block_size, rows=rows, padded_len=P, num_tiles=M,
+              sorted_ids=bufs[0], expert_ids=bufs[1], num_post_pad=bufs[2],
+              sorted_pitch=pitches[0] if pitches else P,
+              expert_pitch=pitches[1] if pitches else M, map_mode=map_mode,
+              expert_map=native["expert_map"], token_slot=native["token_lora_mapping"],
+              lora_ids=native["lora_ids"], adapter_enabled=native["adapter_enabled"],
+              scatter_idx=bufs[3] if scatter else None,
+              fill_unprocessed=outs is None if fill_unprocessed is None else fill_unprocessed,
+              deterministic=deterministic)
+    return Call(where, framework, device_id, job, outs, shapes)
+
+
+
+
+def allocate(call: Call, stream=None) -> None:
+    """Allocate the outputs of a call that was given no ``out=`` (after every check)."""
+    if call.out_shapes is None:
+        return
+    if call.where == _interop.DEVICE:
+        from ._launch import check_capturable
+
+        check_capturable(_interop.caller_stream(call.framework, call.device_id, stream), True,
+                         "a call without out= buffers")
+    bufs = [_alloc(call.where, call.device_id, sh) for sh in call.out_shapes]
+    job = call.job
+    job.sorted_ids, job.expert_ids, job.num_post_pad = bufs[:3]
+    job.scatter_idx = bufs[3] if len(bufs) > 3 else None
+    call.results = tuple(bufs)
+
+
+def check_pair_disjoint(base: Call, lora: Call) -> None:
+    """The base and LoRA outputs given to one call must not share memory either."""
+    if base.out_shapes is not None or lora.out_shapes is not None:
+        return
+    spans = {}
+    for call, arg in ((base, "out_base"), (lora, "out_lora")):
+        j = call.job
+        for n, buf, entries in zip(BASE_OUTS, (j.sorted_ids, j.expert_ids, j.num_post_pad),
+                                   (j.rows * j.sorted_pitch, j.rows * j.expert_pitch, j.rows)):
+            spans[f"{arg} {n}"] = (buf, entries)
+    _checks.check_disjoint(spans, {})
+
+
+# ---- the NumPy backend ----------------------------------------------------------------------
+def _row_views(buf, rows, pitch, length):
+    flat = buf.reshape(-1)
+    return flat[: rows * pitch].reshape(rows, pitch)[:, :length]
+
+
+def run_on_host(job: Job):
+    """Run a prepared job on the NumPy backend."""
+    rows = job.rows
+    sorted_v = _row_views(job.sorted_ids, rows, job.sorted_pitch, job.padded_len)
+    expert_v = _row_views(job.expert_ids, rows, job.expert_pitch, job.num_tiles)
+    ntpp = job.num_post_pad.reshape(-1)[:rows]
+    processed = None
+    route_rows = None
+    if job.token_slot is not None:
+        processed = processed_rows(rows, job.lora_ids, job.adapter_enabled)
+        route_rows = np.repeat(np.asarray(job.token_slot, dtype=np.int64), job.topk)
+    kept = align_rows(job.topk_ids, job.num_experts, job.block_size, sorted_v, expert_v, ntpp,
+                      expert_map=job.expert_map, map_before=job.map_mode == MAP_BEFORE,
+                      route_rows=route_rows, processed=processed)
+    if job.fill_unprocessed and processed is not None:
+        idle = np.flatnonzero(~processed)
+        sorted_v[idle] = job.numel
+        expert_v[idle] = -1
+        ntpp[idle] = 0
+    if job.scatter_idx is not None:
+        job.scatter_idx.reshape(-1)[: job.numel] = np.where(
+            kept, np.arange(job.numel, dtype=np.int32), -1)
+
+
+def answer(call: Call):
+    """The call's results in the caller's framework (buffers the caller gave stay as given)."""
+    return tuple(_interop.from_native(r, call.framework)
+                 if _interop.framework_of(r) in ("numpy", "cupy") else r for r in call.results)
+
+
+# ---- prepared calls: what an earlier call worked out, reused ------------------------------
+# The key of a call: its options, then per array (inputs, then out= buffers) the array's type
+# and properties, then the device and the stream. Properties are read the cheap way each
+# framework offers; a call with an array of another kind (NumPy, JAX, ...) is not cached.
+_KINDS: dict = {}     # array type -> "cupy" | "torch", filled once a call of that type is seen
+_POINTERS = struct.Struct("<9Q")  # the first nine fields of the kernels' Problem
+CACHE_SIZE = 256      # prepared calls kept per device (the oldest go first)
+
+
+def _note_kinds(*arrays) -> None:
+    if not _fast:
+        import cupy
+
+        _fast["get_device"] = cupy.cuda.runtime.getDevice
+        _fast["current_stream"] = cupy.cuda.get_current_stream
+    for x in arrays:
+        if x is not None:
+            fw = type(x).__module__.split(".")[0]
+            if fw in ("cupy", "torch"):
+                _KINDS[type(x)] = fw
+
+
+def properties(arrays):
+    """``(key part, pointers, framework)`` of device arrays, or None when an array is of a
+    kind the prepared calls do not serve (then the call takes the full path)."""
+    props, ptrs, kind = [], [], None
+    for x in arrays:
+        if x is None:
+            props.append(None)
+            ptrs.append(0)
+            continue
+        t = type(x)
+        k = _KINDS.get(t)
+        if k is None or (kind is not None and k != kind):
+            return None
+        kind = k
+        if k == "cupy":
+            data = x.data
+            props.append((t, x.shape, x.strides, x.dtype, data.device_id))
+            ptrs.append(data.ptr)
+        else:
+            props.append((t, x.shape, x.stride(), x.dtype, x.get_device()))
+            ptrs.append(x.data_ptr())
+    return tuple(props), ptrs, kind
+
+
+def stream_pointer(kind: str, device_id: int, stream):
+    """The raw stream a call is ordered on, read the framework's cheapest way, or None."""
+    if stream is None:
+        if kind == "torch":
+            return _torch_current_stream(device_id)
+        return _fast["current_stream"]().ptr
+    ptr = getattr(stream, "ptr", None)
+    if ptr is None:
+        ptr = getattr(stream, "cuda_stream", None)
+    return ptr if isinstance(ptr, int) else None
+
+
+def _torch_current_stream(device_id: int) -> int:
+    raw = _fast.get("torch_stream")
+    if raw is None:
+        import torch
+
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+            lambda d: torch.cuda.current_stream(d).cuda_stream)
+        _fast["torch_stream"] = raw
+    return raw(device_id)
+
+
+class Prepared:
+    """A device call whose checks and launches are settled: ``run`` points its packed
+    arguments at a new call's arrays (same properties) and issues the recorded launches."""
+
+    def __init__(self, kind, device_id, jobs, slots, launches, mode, sides, workspaces,
+                 out_layout, spans, fixed=None, framework_device=None):
+        self.kind, self.device_id = kind, device_id
+        self.jobs = jobs              # packed arguments, one a job (base, lora or both)
+        self.slots = slots            # per job: itemgetter of its nine pointers
+        self.launches = launches      # recorded launches; for "two": (first, second)
+        self.mode, self.sides = mode, sides
+        self.workspaces = workspaces  # ((workspace, generation), ...) the packing used
+        self.out_layout = out_layout  # None (out= given) or [(offset, shape), ...] to allocate
+        self.spans = spans            # bytes of each array, for the overlap check (out= given)
+        self.fixed = fixed            # AlignPlan: (its output pointers, its result views)
+        self.framework_device = framework_device
+        self.checked = None           # the last pointers found free of overlaps
+        self.lock = threading.Lock()  # one call at a time rewrites and launches
+
+    def current(self) -> bool:
+        """False once a workspace it points into was reallocated."""
+        return all(ws.generation == gen for ws, gen in self.workspaces)
+
+    def run(self, ptrs, outs, stream_ptr):
+        """Align the call whose arrays have addresses ``ptrs`` (inputs, then ``out=``
+        buffers); returns its outputs: ``outs``, the plan's views, or new arrays."""
+        if self.fixed is not None:
+            ptrs = ptrs + self.fixed[0]
+            outs = self.fixed[1]
+        if self.out_layout is None:
+            if self.checked != ptrs:
+                self._check_disjoint(ptrs)
+            results = outs
+        else:
+            results, out_ptrs = self._allocate(stream_ptr)
+            ptrs = ptrs + out_ptrs
+        ptrs.append(0)  # the slot of a missing array
+        with self.lock:
+            for job, slot in zip(self.jobs, self.slots):
+                _POINTERS.pack_into(job.packed, 0, *slot(ptrs))
+            self._launch(stream_ptr)
+        return results
+
+    def _check_disjoint(self, ptrs):
+        """Every out= buffer's written bytes apart from every other array's bytes (the
+        properties are those of the checked call; the addresses may not be)."""
+        sizes, written, names = self.spans
+        for i, (lo, size) in enumerate(zip(ptrs, sizes)):
+            if not written[i] or not size:
+                continue
+            for j, (olo, osize) in enumerate(zip(ptrs, sizes)):
+                if j != i and osize and lo < olo + osize and olo < lo + size:
+                    raise ValueError(f"{names[i]} and {names[j]} overlap in memory: every "
+                                     "output buffer needs memory of its own, apart from the "
+                                     "inputs")
+        self.checked = list(ptrs)
+
+    def _allocate(self, stream_ptr):
+        total = self.out_layout[-1][0]
+        if self._capturing(stream_ptr):
+            from ._launch import CAPTURE_HINT
+
+            raise RuntimeError(f"a call without out= buffers {CAPTURE_HINT}")
+        if self.kind == "cupy":
+            import cupy
+
+            buf = cupy.empty(total, np.int32)
+            base, mem = buf.data.ptr, buf.data
+            views = [cupy.ndarray(shape, np.int32, mem + 4 * off)
+                     for off, shape in self.out_layout[:-1]]
+        else:
+            import torch
+
+            buf = torch.empty(total, dtype=torch.int32, device=self.framework_device)
+            base = buf.data_ptr()
+            views = [buf[off:off + _count(shape)].view(shape)
+                     for off, shape in self.out_layout[:-1]]
+        return tuple(views), [base + 4 * off for off, _ in self.out_layout[:-1]]
+
+    def _capturing(self, stream_ptr) -> bool:
+        import cupy
+
+        return cupy.cuda.runtime.streamIsCapturing(stream_ptr) != 0
+
+    def _launch(self, stream_ptr):
+        from ._launch import replay_launches
+
+        if self.mode != "two":
+            replay_launches(self.launches, stream_ptr)
+        else:
+            first, second = self.launches
+            self.sides.run_raw(stream_ptr, lambda st: replay_launches(first, st),
+                               lambda st: replay_launches(second, st))
+
+
+def _count(shape):
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+_caches: dict = {}    # device id -> {key: Prepared}
+_cache_lock = threading.Lock()
+
+
+def lookup(cache: dict, key):
+    prep = cache.get(key)
+    return prep if prep is not None and prep.current() else None
+
+
+def keep(cache: dict, key, prep) -> None:
+    """Store a prepared call, dropping the oldest when the cache is full."""
+    with _cache_lock:
+        if key not in cache and len(cache) >= CACHE_SIZE:
+            cache.pop(next(iter(cache)))
+        cache[key] = prep
+
+
+_fast = {}  # CuPy's getDevice and get_current_stream, looked up once a device call is seen
+
+
+def current_device() -> int:
+    return _fast["get_device"]()
+
+
+def build_prepared(calls, launched, arrays, ptrs, kind, stream_ptr, fixed=None):
+    """The ``Prepared`` form of device ``calls`` that were just launched, or None when their
+    launches cannot be replayed (CuPy's own launch, a copy of a strided input, a stream
+    other than the caller's)."""
+    recorded, mode, workspaces, sides = launched
+    if not recorded or any(r is None for r in recorded):
+        return None
+    if len({c.out_shapes is None for c in calls}) > 1:
+        return None  # out= given to one side only: the full path each time
+    jobs = [c.job for c in calls]
+    inputs = [jobs[-1].topk_ids, jobs[-1].token_slot, jobs[-1].lora_ids,
+              jobs[-1].adapter_enabled, jobs[-1].expert_map]
+    if [0 if x is None else int(x.data.ptr) for x in inputs] != ptrs[:5]:
+        return None  # an input was copied (not contiguous): its address is not the caller's
+    if mode == "two":
+        first = tuple(r for r in recorded if r.stream_ptr == sides.first.ptr)
+        second = tuple(r for r in recorded if r.stream_ptr == sides.second.ptr)
+        if len(first) + len(second) != len(recorded):
+            return None
+        launches = (first, second)
+    else:
+        if any(r.stream_ptr != stream_ptr for r in recorded):
+            return None
+        launches = tuple(recorded)
+    # Pointer slots: inputs 0..4, then each call's outputs in order; `zero` is a 0.
+    outs_per_call = [4 if c.job.scatter_idx is not None else 3 for c in calls]
+    zero = 5 + sum(outs_per_call)
+    slots, at = [], 5
+    for c, n in zip(calls, outs_per_call):
+        lora = c.job.token_slot is not None
+        idx = [0, 1 if lora else zero, 2 if lora and c.job.lora_ids is not None else zero,
+               3 if lora and c.job.adapter_enabled is not None else zero,
+               4 if c.job.expert_map is not None else zero, at, at + 1, at + 2,
+               at + 3 if n == 4 else zero]
+        slots.append(operator.itemgetter(*idx))
+        at += n
+    out_layout = None
+    spans = None
+    if calls[0].out_shapes is not None:
+        out_layout, off = [], 0
+        for c in calls:
+            for shape in c.out_shapes:
+                out_layout.append((off, shape))
+                off += -(-_count(shape) // 4) * 4  # 16-byte aligned
+        out_layout.append((off, None))
+    else:
+        sizes, names = [], ["topk_ids", "token_lora_mapping", "lora_ids", "adapter_enabled",
+                            "expert_map"]
+        sizes = [0 if x is None else int(x.nbytes) for x in inputs]
+        for c, arg in zip(calls, ("out_base", "out_lora") if len(calls) == 2 else ("out",)):
+            j = c.job
+            entries = [j.rows * j.sorted_pitch, j.rows * j.expert_pitch, j.rows]
+            if j.scatter_idx is not None:
+                entries.append(j.numel)
+            sizes += [4 * n for n in entries]
+            names += [f"{arg} {n}" for n in (BASE_OUTS + SCATTER_OUT)[:len(entries)]]
+        spans = (sizes, [False] * 5 + [True] * (len(sizes) - 5), names)
+    framework_device = None
+    if kind == "torch" and out_layout is not None:
+        import torch
+
+        framework_device = torch.device("cuda", calls[0].device_id)
+    prep = Prepared(kind, calls[0].device_id, jobs, slots, launches, mode, sides,
+                    tuple((ws, ws.generation) for ws in workspaces), out_layout, spans,
+                    fixed, framework_device)
+    if out_layout is None and fixed is None:
+        prep.checked = list(ptrs)  # the full path just checked these addresses
+    return prep
+
+
+def launch_calls(calls, streams=None, variant=None, stream=None, workspaces=None,
+                 sides=None):
+    """Launch checked device calls (one, or base and LoRA) on the caller's stream, recording
+    the launches; returns ``(recorded, mode, workspaces used, side streams)``."""
+    from . import _launch
+
+    c = calls[0]
+    with _launch.record_launches() as recorded:
+        if len(calls) == 1:
+            used = _launch.run(c.job, c.device_id, c.framework, variant=variant, stream=stream,
+                               needs_alloc=c.out_shapes is not None, workspace=workspaces)
+            mode, side = None, None
+        else:
+            mode, used, side = _launch.run_pair(
+                c.job, calls[1].job, c.device_id, c.framework, streams=streams,
+                variant=variant, stream=stream, needs_alloc=c.out_shapes is not None,
+                workspaces=workspaces, sides=sides)
+    return list(recorded), mode, used, side
+
+
+def align(op, topk_ids, token_lora_mapping, block_size, num_experts, max_loras, *, lora_ids,
+          adapter_enabled, expert_map, ignore_invalid_experts, pad_sorted_ids, scatter,
+          deterministic, out_base, out_lora, streams, variant, stream, validate):
+    """Every public function's call: ``op`` is "base", "lora" or "pair". Returns the tuple
+    of outputs of each alignment (the base one, the LoRA one, or both)."""
+    outs = ((out_base if op != "lora" else None), (out_lora if op != "base" else None))
+    inputs = (topk_ids, token_lora_mapping if op != "base" else None,
+              lora_ids if op != "base" else None, adapter_enabled if op != "base" else None,
+              expert_map)
+    # ---- a call like an earlier one: its prepared form, pointers rewritten ------------------
+    opts = (op, block_size, num_experts, max_loras, ignore_invalid_experts, pad_sorted_ids,
+            scatter, deterministic, streams, variant)
+    fast = None
+    if (_KINDS and validate is not True and type(block_size) is int is type(num_experts)
+            and type(pad_sorted_ids) is bool is type(deterministic) is type(scatter)
+            is type(ignore_invalid_experts)):
+        fast = _fast_key(opts, inputs, outs, stream)
+        if fast is not None:
+            key, ptrs, device_id, stream_ptr, given = fast
+            prep = lookup(_caches.get(device_id, {}), key)
+            if prep is not None:
+                return _split(op, prep.run(ptrs, given, stream_ptr), scatter)
+    # ---- the full path ----------------------------------------------------------------------
+    if max_loras is not None:
+        max_loras = _checks.positive_int("max_loras", max_loras, MAX_BUCKETS)
+    variant = _checks.option("variant", variant, VARIANTS)
+    streams = _checks.option("streams", streams, STREAM_MODES)
+    scatter = _checks.flag("return_scatter_idx", scatter)
+    calls = []
+    if op != "lora":
+        calls.append(prepare(topk_ids, block_size, num_experts, rows=1, expert_map=expert_map,
+                             map_mode=map_mode(expert_map, ignore_invalid_experts),
+                             pad_sorted_ids=pad_sorted_ids, scatter=scatter,
+                             deterministic=deterministic, out=out_base, validate=validate,
+                             out_arg="out_base" if op == "pair" else "out"))
+    if op != "base":
+        calls.append(prepare(topk_ids, block_size, num_experts, rows=max_loras,
+                             token_lora_mapping=token_lora_mapping, lora_ids=lora_ids,
+                             adapter_enabled=adapter_enabled, expert_map=expert_map,
+                             map_mode=MAP_NONE if expert_map is None else MAP_BEFORE,
+                             pad_sorted_ids=pad_sorted_ids, deterministic=deterministic,
+                             out=out_lora, validate=validate, lora=True,
+                             out_arg="out_lora" if op == "pair" else "out"))
+    if op == "pair":
+        check_pair_disjoint(*calls)
+    for c in calls:
+        allocate(c, stream)
+    if calls[0].where == _interop.HOST:
+        for c in calls:
+            run_on_host(c.job)
+        return _split_answers(op, calls)
+    launched = launch_calls(calls, streams, variant, stream)
+    if validate is not True:
+        _note_kinds(*inputs, *(outs[0] or ()), *(outs[1] or ()))
+        fast = _fast_key(opts, inputs, outs, stream)
+        if fast is not None:
+            key, ptrs, device_id, stream_ptr, _ = fast
+            prep = build_prepared(calls, launched, inputs, ptrs[:5], _KINDS[type(topk_ids)],
+                                  stream_ptr)
+            if prep is not None:
+                keep(_caches.setdefault(device_id, {}), key, prep)
+    return _split_answers(op, calls)
+
+
+def _fast_key(opts, inputs, outs, stream):
+    """``(key, pointers, device, stream pointer, out= arrays)`` of a device call the prepared
+    calls could serve, else None."""
+    given = ()
+    for out, n in zip(outs, (4 if opts[6] else 3, 3)):
+        if out is not None:
+            if type(out) not in (tuple, list) or len(out) != n:
+                return None
+            given += tuple(out)
+    found = properties(inputs + given)
+    if found is None:
+        return None
+    props, ptrs, kind = found
+    device_id = props[0][4] if props[0] is not None else None
+    if device_id is None or device_id < 0 or current_device() != device_id:
+        return None
+    stream_ptr = stream_pointer(kind, device_id, stream)
+    if stream_ptr is None:
+        return None
+    return (opts, props, stream_ptr), ptrs, device_id, stream_ptr, given
+
+
+def _split(op, results, scatter):
+    if op == "pair":
+        return tuple(results[:3]), tuple(results[3:])
+    return tuple(results)
+
+
+def _split_answers(op, calls):
+    answers = [answer(c) for c in calls]
+    return (answers[0], answers[1]) if op == "pair" else answers[0]
