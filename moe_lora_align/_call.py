@@ -12,14 +12,13 @@ rewritten before the same kernels go to the driver again.
 from __future__ import annotations
 
 import operator
-import struct
 import threading
 
 import numpy as np
 
 from . import _checks, _interop
 from ._dispatch import VARIANTS
-from ._launch import MAP_AFTER, MAP_BEFORE, MAP_NONE, Job
+from ._launch import MAP_AFTER, MAP_BEFORE, MAP_NONE, POINTERS, Job
 from ._reference import align_rows, processed_rows
 from ._sizes import MAX_BUCKETS, buffer_sizes
 
@@ -227,7 +226,6 @@ def answer(call: Call):
 # and properties, then the device and the stream. Properties are read the cheap way each
 # framework offers; a call with an array of another kind (NumPy, JAX, ...) is not cached.
 _KINDS: dict = {}     # array type -> "cupy" | "torch", filled once a call of that type is seen
-_POINTERS = struct.Struct("<9Q")  # the first nine fields of the kernels' Problem
 CACHE_SIZE = 256      # prepared calls kept per device (the oldest go first)
 
 
@@ -330,7 +328,7 @@ class Prepared:
         ptrs.append(0)  # the slot of a missing array
         with self.lock:
             for job, slot in zip(self.jobs, self.slots):
-                _POINTERS.pack_into(job.packed, 0, *slot(ptrs))
+                POINTERS.pack_into(job.packed, 0, *slot(ptrs))
             self._launch(stream_ptr)
         return results
 

@@ -131,9 +131,7 @@ class Job:
     scatter_idx: object = None
     fill_unprocessed: bool = False
     deterministic: bool = False
-    result: object = None       # AlignPlan: the cached result views of this job
-    packed: object = None       # the packed kernel argument (uint8 array) and what it was
-    packed_key: object = None   #   packed for
+    packed: object = None       # the packed kernel argument (uint8 array)
     params: object = None       # kernel-parameter array for the driver: [address of packed]
     params_addr: int = 0        # its address (ndarray.ctypes costs a microsecond per call)
     pair_params: object = None  # second job of a pair launch: both params, the pair's array
@@ -161,26 +159,14 @@ def division_magic(d: int):
     return -(-(1 << (31 + bits)) // d), 31 + bits
 
 
-_INPUT_POINTERS = struct.Struct("<5Q")  # the first five fields: the call's input arrays
-
-
-def set_input_pointers(packed, topk_ids: int, token_slot: int, lora_ids: int,
-                       adapter_enabled: int, expert_map: int) -> None:
-    """Point a packed ``Problem`` at a call's inputs (device addresses, 0 for none)."""
-    _INPUT_POINTERS.pack_into(packed, 0, topk_ids, token_slot, lora_ids, adapter_enabled,
-                              expert_map)
+# The first nine fields of Problem: the call's arrays (inputs, then outputs), rewritten by a
+# prepared call (moe_lora_align/_call.py) for each new call.
+POINTERS = struct.Struct("<9Q")
 
 
 def pack(job: Job, launch: _dispatch.Launch, ws: Workspace) -> None:
-    """Pack the kernels' ``Problem`` argument of one job into ``job.packed``. A job reused
-    with the same launch and workspace (AlignPlan) keeps its packed bytes and only rewrites
-    the input pointers."""
-    key = (launch, id(ws), ws.generation, job.map_mode,
-           0 if job.lora_ids is None else int(job.lora_ids.shape[0]))
-    if job.packed is not None and job.packed_key == key:
-        set_input_pointers(job.packed, _ptr(job.topk_ids), _ptr(job.token_slot),
-                           _ptr(job.lora_ids), _ptr(job.adapter_enabled), _ptr(job.expert_map))
-        return
+    """Pack the kernels' ``Problem`` argument of one job into ``job.packed`` (a prepared
+    call later rewrites only its array pointers: ``POINTERS``)."""
     coop = launch.kind == "cooperative"
     counts, ticket = (ws.coop_counts, ws.coop_control) if coop else (ws.counts, ws.ticket)
     raw = _PACKER.pack(
@@ -196,7 +182,7 @@ def pack(job: Job, launch: _dispatch.Launch, ws: Workspace) -> None:
         *division_magic(job.block_size), *division_magic(job.num_experts),
         *division_magic(max(job.num_tiles, 1)), ws.buckets if coop else 0,
         launch.grid if coop else 0, 0)
-    job.packed, job.packed_key = np.frombuffer(bytearray(raw), dtype=np.uint8), key
+    job.packed = np.frombuffer(bytearray(raw), dtype=np.uint8)
     job.params = np.array([job.packed.ctypes.data], dtype=np.uint64)
     job.params_addr = job.params.ctypes.data
 

@@ -90,11 +90,14 @@ def graph_us(fn, stream):
     return statistics.median(times)
 
 
-def eager_us(fn, stream, calls=100, reps=7):
-    """Per-call time of ``fn`` launched back to back from Python (median of ``reps``)."""
+def eager_us(fn, stream, calls=100, reps=7, context=None):
+    """Per-call time of ``fn`` launched back to back from Python (median of ``reps``), GPU
+    time between events on ``stream``; ``context`` makes that stream the framework's."""
+    import contextlib
+
     import cupy
 
-    with stream:
+    with stream, (context or contextlib.nullcontext()):
         for _ in range(5):
             fn()
         stream.synchronize()
@@ -108,6 +111,92 @@ def eager_us(fn, stream, calls=100, reps=7):
             stop.synchronize()
             times.append(cupy.cuda.get_elapsed_time(start, stop) * 1e3 / calls)
     return statistics.median(times)
+
+
+def host_us(fn, stream, calls=200, reps=5, context=None):
+    """Host time per call of ``fn`` (Python to the driver), median of ``reps``."""
+    import contextlib
+
+    with stream, (context or contextlib.nullcontext()):
+        times = []
+        for _ in range(reps):
+            stream.synchronize()
+            t = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times.append((time.perf_counter() - t) / calls * 1e6)
+        stream.synchronize()
+    return statistics.median(times)
+
+
+EAGER_PATHS = ("plan", "cupy_out", "cupy_alloc", "torch_out", "torch_alloc")
+
+
+def eager_paths(op, ids, d, T, K, E, B, L, stream, check):
+    """Eager and host µs per call of every public path for one size: an AlignPlan, the public
+    function with CuPy arrays (``out=`` given, and allocating), and with torch tensors (the
+    same two). ``d``: the CuPy inputs (ids, mapping, lora_ids, enabled); ``check(result)``
+    compares a result with the NumPy backend first."""
+    import cupy
+
+    P, M = mla.buffer_sizes(T * K, E, B)
+    rows = L or 1
+    plan = mla.AlignPlan(T, K, E, B, max_loras=L if op != "base" else None)
+    fns = {}
+    if op == "base":
+        fns["plan"] = lambda: plan(d[0], stream=stream)
+    elif op == "lora":
+        fns["plan"] = lambda: plan(d[0], d[1], lora_ids=d[2], adapter_enabled=d[3],
+                                   stream=stream)[1]
+    else:
+        fns["plan"] = lambda: plan(d[0], d[1], lora_ids=d[2], adapter_enabled=d[3],
+                                   stream=stream)
+
+    def public(x, outs):
+        if op == "base":
+            return lambda: mla.moe_align_block_size(x[0], B, E, out=outs)
+        if op == "lora":
+            return lambda: mla.moe_lora_align_block_size(x[0], x[1], B, E, L, lora_ids=x[2],
+                                                         adapter_enabled=x[3], out=outs)
+        return lambda: mla.align_moe_and_lora(x[0], x[1], B, E, L, lora_ids=x[2],
+                                              adapter_enabled=x[3], out_base=outs and outs[0],
+                                              out_lora=outs and outs[1])
+
+    def outs_of(full):
+        # Rows of slots no call processes keep what out= held: the empty alignment.
+        base = (full(P, T * K), full(M, -1), full(1, 0))
+        lora = (full(rows * P, T * K), full(rows * M, -1), full(rows, 0))
+        return base if op == "base" else lora if op == "lora" else (base, lora)
+
+    fns["cupy_out"] = public(d, outs_of(lambda n, v: cupy.full(n, v, np.int32)))
+    fns["cupy_alloc"] = public(d, None)
+    contexts = {}
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if torch is not None:
+        td = [torch.from_dlpack(x) for x in d]
+        fns["torch_out"] = public(td, outs_of(
+            lambda n, v: torch.full((n,), v, dtype=torch.int32, device=td[0].device)))
+        fns["torch_alloc"] = public(td, None)
+        ts = torch.cuda.ExternalStream(stream.ptr)
+        contexts = {k: (lambda: torch.cuda.stream(ts)) for k in ("torch_out", "torch_alloc")}
+    eager, host = {}, {}
+    for name, fn in fns.items():
+        ctx = contexts.get(name, lambda: None)
+        with stream:
+            c = ctx()
+            if c is not None:
+                with c:
+                    res = fn()
+            else:
+                res = fn()
+        stream.synchronize()
+        check(res)
+        eager[name] = eager_us(fn, stream, context=ctx())
+        host[name] = host_us(fn, stream, context=ctx())
+    return eager, host
 
 
 def cupy_baseline(ids, E, B, mapping=None, L=1):
@@ -146,11 +235,15 @@ def cupy_baseline(ids, E, B, mapping=None, L=1):
 
 
 # ---- one row --------------------------------------------------------------------------------
-def check_against_numpy(res, ref, starts_fn):
-    """Compare a GPU result (free order inside segments) with the NumPy backend's."""
+def _host_copy(x):
     import cupy
 
-    got = [cupy.asnumpy(x) for x in res]
+    return x.cpu().numpy() if hasattr(x, "cpu") else cupy.asnumpy(x)
+
+
+def check_against_numpy(res, ref, starts_fn):
+    """Compare a GPU result (free order inside segments) with the NumPy backend's."""
+    got = [_host_copy(x) for x in res]
     for g, r in zip(got[1:], ref[1:]):
         if not np.array_equal(g, r):
             raise AssertionError("GPU result differs from the NumPy backend")
@@ -219,7 +312,10 @@ def bench_single(row, kind, stream, quick):
 
     fn = runner()
     result["graph_us"] = graph_us(fn, stream)
-    result["eager_us"] = eager_us(fn, stream)
+    d = (d_ids, dm, dl, de) if L else (d_ids,)
+    result["eager"], result["host"] = eager_paths(
+        op, ids, d, T, K, E, B, L, stream, lambda res: check_against_numpy(res, ref, starts))
+    result["eager_us"] = result["eager"]["plan"]
     result["deterministic_graph_us"] = graph_us(runner(deterministic=True), stream)
     for variant in mla._dispatch.VARIANTS:
         if quick and variant == "global":
@@ -276,8 +372,12 @@ def bench_pair(T, E, K, B, L, stream):
         check_against_numpy(lo, ref_l, lambda: _starts(ids, E, B, L, mapping))
         key = mode or "auto"
         result[f"{key}_graph_us"] = graph_us(fn, stream)
-        if mode is None:
-            result["auto_eager_us"] = eager_us(fn, stream)
+
+    def check(res):
+        check_against_numpy(res[0], ref_b, lambda: _starts(ids, E, B))
+        check_against_numpy(res[1], ref_l, lambda: _starts(ids, E, B, L, mapping))
+    result["eager"], result["host"] = eager_paths("pair", ids, d, T, K, E, B, L, stream, check)
+    result["auto_eager_us"] = result["eager"]["plan"]
     result["floor_us"] = floor_us("pair", T, K, E, B, L, 1)
     return result
 
@@ -383,7 +483,27 @@ def table(results):
     lines.append("graph/eager/det/shared/global/coop/ref/floor: microseconds per call (coop: "
                  "the cooperative variant); x ref: reference graph time over ours; cupy: "
                  "CuPy-library baseline, eager.")
+    lines.append("")
+    lines += eager_table(results)
     return "\n".join(lines)
+
+
+def eager_table(results):
+    """Eager µs per call of each public path (host µs per call in brackets), back to back."""
+    lines = [f"{'eager':5} {'T':>6} {'E':>5} {'K':>3} {'B':>4} {'L':>3} {'route':8} "
+             + " ".join(f"{p:>15}" for p in EAGER_PATHS)]
+    for r in results:
+        eager, host = r.get("eager") or {}, r.get("host") or {}
+        cells = [f"{fmt(eager.get(p), 6)} ({fmt(host.get(p), 5).strip():>5})" if p in eager
+                 else f"{'-':>15}" for p in EAGER_PATHS]
+        lines.append(f"{r['op']:5} {r['tokens']:6d} {r['num_experts']:5d} {r['topk']:3d} "
+                     f"{r['block_size']:4d} {r.get('max_loras') or '':>3} "
+                     f"{r.get('routing', 'uniform'):8} " + " ".join(cells))
+    lines.append("eager: µs per call launched back to back (GPU time between events); in "
+                 "brackets the host's µs per call. plan: an AlignPlan; cupy_/torch_: the public "
+                 "function with CuPy arrays / torch tensors, out= given or allocating; pair "
+                 "rows: align_moe_and_lora.")
+    return lines
 
 
 def plot(results, path):

@@ -235,11 +235,13 @@ def test_packed_argument_and_its_address():
     fields = np.frombuffer(job.packed, dtype=_launch.PROBLEM_DTYPE)[0]
     assert fields["topk_ids"] == 0x1000 and fields["numel"] == 8 and fields["ticket"] == 5
     assert int(job.params[0]) == job.packed.ctypes.data
+    # a prepared call rewrites the array pointers in place (the driver reads them there)
     before = job.packed.ctypes.data
-    job.topk_ids = dev(0x5000)
-    _launch.pack(job, launch, ws)
+    _launch.POINTERS.pack_into(job.packed, 0, 0x5000, 0, 0, 0, 0, 0x6000, 0x7000, 0x8000, 0)
     assert job.packed.ctypes.data == before
-    assert np.frombuffer(job.packed, dtype=_launch.PROBLEM_DTYPE)[0]["topk_ids"] == 0x5000
+    fields = np.frombuffer(job.packed, dtype=_launch.PROBLEM_DTYPE)[0]
+    assert fields["topk_ids"] == 0x5000 and fields["sorted_ids"] == 0x6000
+    assert fields["numel"] == 8 and fields["ticket"] == 5
 
 
 def test_pair_parameter_array_follows_repacks():

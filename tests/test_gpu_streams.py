@@ -193,8 +193,7 @@ def test_plan_replayed_calls_see_new_inputs(T, E, K, B, L, streams):
         _check(base, lora, ids, mapping, lora_ids, enabled, B, E, L)
         for x in (*base, *lora):
             x.fill(-5)
-    (mode, _), = plan._stream_choice.values()
-    assert len(plan._replays) == (0 if mode == "two" else 1)  # forks are not replayed
+    assert len(plan._prepared) == 3  # one prepared call a stream (s1, s2, the current one)
 
 
 def test_plan_replays_keep_each_call_kind_apart():
@@ -219,7 +218,7 @@ def test_plan_replays_keep_each_call_kind_apart():
         np.testing.assert_array_equal(g[2], ref[2])
         for x in got:
             x.fill(-5)
-    assert len(plan._replays) == 5  # (64 | 17 | 256) x (map | none), 256 with a map unseen
+    assert len(plan._prepared) == 5  # (64 | 17 | 256) x (map | none), 256 with a map unseen
 
 
 def test_plan_rejects_inputs_beyond_it():

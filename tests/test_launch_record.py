@@ -77,8 +77,11 @@ def test_recording_stops_after_the_block(monkeypatch):
     assert recorded == []
 
 
-def test_input_pointers_are_the_first_five_fields():
+def test_array_pointers_are_the_first_nine_fields():
     packed = np.zeros(_launch.PROBLEM_DTYPE.itemsize, np.uint8)
-    _launch.set_input_pointers(packed, 1, 2, 3, 4, 5)
+    _launch.POINTERS.pack_into(packed, 0, *range(1, 10))
     view = np.frombuffer(packed, dtype=_launch.PROBLEM_DTYPE)[0]
-    assert [int(view[n]) for n in _launch._POINTERS[:5]] == [1, 2, 3, 4, 5]
+    assert _launch._POINTERS[:9] == ("topk_ids", "token_slot", "lora_ids", "adapter_enabled",
+                                     "expert_map", "sorted_ids", "expert_ids", "num_post_pad",
+                                     "scatter_idx")
+    assert [int(view[n]) for n in _launch._POINTERS[:9]] == list(range(1, 10))

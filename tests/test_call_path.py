@@ -1,0 +1,185 @@
+"""The one call path on the host: the prepared-call key, the pointer slots a prepared call
+rewrites, its overlap check, and options checked once (no GPU needed)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import moe_lora_align as mla
+from moe_lora_align import _call, _checks, _launch
+
+
+class FakeCupy:
+    """Stands in for a CuPy array: the attributes the key and the pointers read."""
+
+    def __init__(self, ptr, shape=(4, 2), strides=None, dtype=np.int32, device=0):
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+        self.strides = strides or tuple(
+            int(np.prod(shape[i + 1:])) * self.dtype.itemsize for i in range(len(shape)))
+        self.data = SimpleNamespace(ptr=ptr, device_id=device)
+        self.nbytes = int(np.prod(shape)) * self.dtype.itemsize
+
+
+class FakeTorch:
+    def __init__(self, ptr, shape=(4, 2), dtype="int32", device=0):
+        self.shape, self.dtype, self._ptr, self._device = tuple(shape), dtype, ptr, device
+
+    def stride(self):
+        return tuple(int(np.prod(self.shape[i + 1:])) for i in range(len(self.shape)))
+
+    def get_device(self):
+        return self._device
+
+    def data_ptr(self):
+        return self._ptr
+
+
+@pytest.fixture(autouse=True)
+def fake_kinds(monkeypatch):
+    monkeypatch.setattr(_call, "_KINDS", {FakeCupy: "cupy", FakeTorch: "torch"})
+
+
+def key(*arrays):
+    found = _call.properties(arrays)
+    return None if found is None else found[0]
+
+
+def test_key_follows_every_property_and_not_the_address():
+    base = key(FakeCupy(100), None, FakeCupy(200, (4,)))
+    assert key(FakeCupy(999), None, FakeCupy(555, (4,))) == base
+    assert _call.properties((FakeCupy(999), None))[1] == [999, 0]
+    for changed in (FakeCupy(100, (8, 2)), FakeCupy(100, strides=(16, 4)),
+                    FakeCupy(100, dtype=np.int64), FakeCupy(100, device=1)):
+        assert key(changed, None, FakeCupy(200, (4,))) != base
+    assert key(FakeCupy(100), FakeCupy(1, (4,)), FakeCupy(200, (4,))) != base  # None -> array
+
+
+def test_key_for_torch_tensors_and_refusals():
+    assert key(FakeTorch(1)) == key(FakeTorch(2))
+    assert key(FakeTorch(1)) != key(FakeTorch(1, device=1))
+    assert key(FakeTorch(1)) != key(FakeCupy(1))
+    assert _call.properties((FakeTorch(1), FakeCupy(2))) is None      # two frameworks
+    assert _call.properties((np.zeros((4, 2), np.int32),)) is None     # host arrays: full path
+    assert _call.properties(([1, 2],)) is None
+
+
+def _job(ptr, rows=1, lora=False, scatter=False, emap=False):
+    dev = FakeCupy
+    return _launch.Job(
+        topk_ids=dev(ptr, (8,)), numel=8, topk=2, num_experts=4, block_size=4, rows=rows,
+        padded_len=20, num_tiles=5, sorted_ids=dev(ptr + 0x100, (rows, 20)),
+        expert_ids=dev(ptr + 0x200, (rows, 5)), num_post_pad=dev(ptr + 0x300, (rows,)),
+        sorted_pitch=20, expert_pitch=5, token_slot=dev(ptr + 0x10, (4,)) if lora else None,
+        lora_ids=dev(ptr + 0x20, (rows + 1,)) if lora else None,
+        adapter_enabled=dev(ptr + 0x30, (rows + 1,)) if lora else None,
+        scatter_idx=dev(ptr + 0x400, (8,)) if scatter else None,
+        expert_map=dev(ptr + 0x40, (4,)) if emap else None)
+
+
+def _prepared(calls, monkeypatch):
+    """A prepared call built from jobs the way the full path leaves them."""
+    for c in calls:
+        c.job.packed = np.zeros(_launch.PROBLEM_DTYPE.itemsize, np.uint8)
+    recorded = [_launch.RecordedLaunch(1, 1, 32, 0, 7, 0, ())]
+    j = calls[-1].job
+    ptrs = [j.topk_ids.data.ptr, 0, 0, 0, 0 if j.expert_map is None else j.expert_map.data.ptr]
+    if calls[-1].job.token_slot is not None:
+        ptrs[1:4] = [calls[-1].job.token_slot.data.ptr, calls[-1].job.lora_ids.data.ptr,
+                     calls[-1].job.adapter_enabled.data.ptr]
+    launched = []
+    monkeypatch.setattr(_launch, "replay_launches", lambda launches, st: launched.append(st))
+    prep = _call.build_prepared(calls, (recorded, None, [], None), None, ptrs, "cupy", 7)
+    return prep, launched
+
+
+def _fields(job):
+    view = np.frombuffer(job.packed, dtype=_launch.PROBLEM_DTYPE)[0]
+    return [int(view[n]) for n in _launch._POINTERS[:9]]
+
+
+def _call_of(job):
+    return _call.Call("device", "cupy", 0, job, (job.sorted_ids, job.expert_ids,
+                                                job.num_post_pad), None)
+
+
+def test_prepared_pair_points_each_job_at_its_own_arrays(monkeypatch):
+    base = _call_of(_job(0x1000, emap=True))
+    lora = _call_of(_job(0x1000, rows=3, lora=True, emap=True))
+    prep, launched = _prepared([base, lora], monkeypatch)
+    # a new call: inputs 11..15, base outputs 21..23, LoRA outputs 31..33 (bytes apart)
+    ptrs = [1100, 1200, 1300, 1400, 1500, 2100, 2200, 2300, 3100, 3200, 3300]
+    prep.spans = ([8] * 11, [False] * 5 + [True] * 6, [str(i) for i in range(11)])
+    prep.run(list(ptrs), "outs", 9)
+    assert _fields(base.job) == [1100, 0, 0, 0, 1500, 2100, 2200, 2300, 0]
+    assert _fields(lora.job) == [1100, 1200, 1300, 1400, 1500, 3100, 3200, 3300, 0]
+    assert launched == [9]
+
+
+def test_prepared_base_with_scatter_and_no_map(monkeypatch):
+    call = _call_of(_job(0x1000, scatter=True))
+    prep, _ = _prepared([call], monkeypatch)
+    prep.spans = ([8] * 9, [False] * 5 + [True] * 4, [str(i) for i in range(9)])
+    prep.run([1100, 0, 0, 0, 0, 2100, 2200, 2300, 2400], "outs", 9)
+    assert _fields(call.job) == [1100, 0, 0, 0, 0, 2100, 2200, 2300, 2400]
+
+
+def test_prepared_call_refuses_overlapping_out_buffers(monkeypatch):
+    call = _call_of(_job(0x1000))
+    prep, launched = _prepared([call], monkeypatch)
+    prep.spans = ([32, 0, 0, 0, 0, 80, 20, 4], [False] * 5 + [True] * 3,
+                  ["topk_ids", "token_lora_mapping", "lora_ids", "adapter_enabled",
+                   "expert_map", "out sorted_token_ids", "out expert_ids",
+                   "out num_tokens_post_pad"])
+    with pytest.raises(ValueError, match="out sorted_token_ids and out expert_ids overlap"):
+        prep.run([5000, 0, 0, 0, 0, 1000, 1040, 2000], "outs", 9)
+    with pytest.raises(ValueError, match="out expert_ids and topk_ids overlap"):
+        prep.run([5000, 0, 0, 0, 0, 1000, 5010, 2000], "outs", 9)
+    assert launched == []
+    prep.run([5000, 0, 0, 0, 0, 1000, 2000, 3000], "outs", 9)
+    assert launched == [9] and prep.checked == [5000, 0, 0, 0, 0, 1000, 2000, 3000]
+
+
+def test_prepared_call_goes_stale_when_its_workspace_grows():
+    ws = SimpleNamespace(generation=3)
+    prep = _call.Prepared("cupy", 0, [], [], (), None, None, ((ws, 3),), None, None)
+    cache = {"k": prep}
+    assert _call.lookup(cache, "k") is prep
+    ws.generation = 4
+    assert _call.lookup(cache, "k") is None
+
+
+def test_cache_is_bounded(monkeypatch):
+    monkeypatch.setattr(_call, "CACHE_SIZE", 3)
+    cache = {}
+    for k in range(5):
+        _call.keep(cache, k, k)
+    assert list(cache) == [2, 3, 4]
+
+
+@pytest.mark.parametrize("fn,expected", [("base", ["variant", "streams"]),
+                                         ("lora", ["variant", "streams"]),
+                                         ("pair", ["variant", "streams"])])
+def test_each_option_is_checked_once(fn, expected, monkeypatch):
+    seen = []
+    real = _checks.option
+    monkeypatch.setattr(_checks, "option", lambda name, v, allowed: seen.append(name) or
+                        real(name, v, allowed))
+    ids = np.array([[0, 1], [2, 3]], np.int32)
+    mapping = np.array([0, -1], np.int32)
+    if fn == "base":
+        mla.moe_align_block_size(ids, 4, 4)
+    elif fn == "lora":
+        mla.moe_lora_align_block_size(ids, mapping, 4, 4, 2)
+    else:
+        mla.align_moe_and_lora(ids, mapping, 4, 4, 2)
+    assert seen == expected
+
+
+def test_host_calls_are_never_prepared():
+    ids = np.array([[0, 1], [2, 3]], np.int32)
+    before = dict(_call._caches)
+    mla.moe_align_block_size(ids, 4, 4)
+    assert _call._caches == before

@@ -1,0 +1,251 @@
+"""Prepared calls on the GPU: a call like an earlier one reuses its checks and launches, and
+every result still equals the NumPy backend's, whatever property changes between calls."""
+
+import numpy as np
+import pytest
+
+import moe_lora_align as mla
+from moe_lora_align import _call
+from gpu_util import POISON, canonical, cupy, make_lora, make_routing, requires_gpu, \
+    segment_starts
+
+pytestmark = [requires_gpu, pytest.mark.gpu]
+
+E, B, K, L = 64, 16, 8, 4
+
+
+def _check_base(got, ids, emap=None, ignore=False, det=False, pad=False, scatter=False):
+    ref = mla.moe_align_block_size(ids, B, E, emap, ignore_invalid_experts=ignore,
+                                   pad_sorted_ids=pad, return_scatter_idx=scatter)
+    g = [cupy.asnumpy(x) if not hasattr(x, "cpu") else x.cpu().numpy() for x in got]
+    starts = segment_starts(ids, E, B, expert_map=emap, map_before=ignore)
+    if det:
+        np.testing.assert_array_equal(g[0], ref[0])
+    else:
+        np.testing.assert_array_equal(canonical(g[0][None], starts), canonical(ref[0][None], starts))
+    for a, b in zip(g[1:], ref[1:]):
+        np.testing.assert_array_equal(a, b)
+
+
+def _check_lora(got, ids, mapping, lora_ids, enabled, rows=L):
+    ref = mla.moe_lora_align_block_size(ids, mapping, B, E, rows, lora_ids=lora_ids,
+                                        adapter_enabled=enabled)
+    g = [cupy.asnumpy(x) if not hasattr(x, "cpu") else x.cpu().numpy() for x in got]
+    starts = segment_starts(ids, E, B, rows=rows, mapping=mapping, lora_ids=lora_ids,
+                            enabled=enabled)
+    np.testing.assert_array_equal(canonical(g[0], starts), canonical(ref[0], starts))
+    np.testing.assert_array_equal(g[1], ref[1])
+    np.testing.assert_array_equal(g[2], ref[2])
+
+
+def _routing(seed, T=16, dtype=np.int32):
+    return make_routing(np.random.default_rng(seed), T, K, E, dtype, "uniform")
+
+
+def _prepared_hits(monkeypatch):
+    hits = []
+    real = _call.Prepared.run
+    monkeypatch.setattr(_call.Prepared, "run",
+                        lambda self, *a: hits.append(1) or real(self, *a))
+    return hits
+
+
+def test_second_call_is_prepared_and_sees_new_inputs(monkeypatch):
+    hits = _prepared_hits(monkeypatch)
+    for seed in range(4):
+        ids = _routing(seed)
+        got = mla.moe_align_block_size(cupy.asarray(ids), B, E)
+        _check_base(got, ids)
+    assert len(hits) == 3
+
+
+@pytest.mark.parametrize("change", ["shape", "strides", "dtype", "expert_map", "ignore",
+                                    "det", "pad", "scatter", "variant", "out", "stream",
+                                    "block_size", "num_experts"])
+def test_each_property_change_gets_its_own_answer(change):
+    """Alternate a call with one property changed and the unchanged call, three times each:
+    both stay correct (no decision made for other properties is served)."""
+    rng = np.random.default_rng(1)
+    emap = np.full(E, -1, np.int32)
+    emap[rng.choice(E, E // 2, replace=False)] = np.arange(E // 2, dtype=np.int32)
+    for rep in range(3):
+        for changed in (False, True):
+            ids = _routing(rep * 2 + changed, T=32 if changed and change == "shape" else 16)
+            kw, d_ids = {}, cupy.asarray(ids)
+            check = dict()
+            block, experts = B, E
+            if changed:
+                if change == "strides":
+                    wide = cupy.zeros((ids.shape[0], 2 * K), np.int32)
+                    wide[:, ::2] = cupy.asarray(ids)
+                    d_ids = wide[:, ::2]
+                elif change == "dtype":
+                    ids = ids.astype(np.int64)
+                    d_ids = cupy.asarray(ids)
+                elif change == "expert_map":
+                    kw["expert_map"] = cupy.asarray(emap)
+                    check["emap"] = emap
+                elif change == "ignore":
+                    kw.update(expert_map=cupy.asarray(emap), ignore_invalid_experts=True)
+                    check.update(emap=emap, ignore=True)
+                elif change == "det":
+                    kw["deterministic"] = check["det"] = True
+                elif change == "pad":
+                    kw["pad_sorted_ids"] = check["pad"] = True
+                elif change == "scatter":
+                    kw["return_scatter_idx"] = check["scatter"] = True
+                elif change == "variant":
+                    kw["variant"] = "global"
+                elif change == "out":
+                    P, M = mla.buffer_sizes(ids.size, E, B)
+                    kw["out"] = (cupy.full(P, POISON, np.int32), cupy.full(M, POISON, np.int32),
+                                 cupy.full(1, POISON, np.int32))
+                elif change == "stream":
+                    kw["stream"] = cupy.cuda.Stream(non_blocking=True)
+                elif change == "block_size":
+                    block = 32
+                elif change == "num_experts":
+                    experts = 2 * E
+            if block != B or experts != E:
+                got = mla.moe_align_block_size(d_ids, block, experts, **kw)
+                ref = mla.moe_align_block_size(ids, block, experts)
+                starts = segment_starts(ids, experts, block)
+                g = [cupy.asnumpy(x) for x in got]
+                np.testing.assert_array_equal(canonical(g[0][None], starts),
+                                              canonical(ref[0][None], starts))
+                np.testing.assert_array_equal(g[1], ref[1])
+                continue
+            got = mla.moe_align_block_size(d_ids, B, E, **kw)
+            if "stream" in kw:
+                kw["stream"].synchronize()
+            _check_base(got, ids, **check)
+
+
+@pytest.mark.parametrize("streams", [None, "one", "two", "fused"])
+@pytest.mark.parametrize("T", [3, 4096])
+@pytest.mark.parametrize("given", [False, True])
+def test_pairs_and_lora_prepared(T, streams, given):
+    for seed in range(3):
+        rng = np.random.default_rng(seed)
+        ids = make_routing(rng, T, K, E, np.int32, "uniform")
+        mapping, lora_ids, enabled = make_lora(rng, T, L, disabled=1)
+        d = [cupy.asarray(x) for x in (ids, mapping, lora_ids, enabled)]
+        P, M = mla.buffer_sizes(ids.size, E, B)
+        out_b = out_l = None
+        if given:
+            out_b = (cupy.empty(P, np.int32), cupy.empty(M, np.int32), cupy.empty(1, np.int32))
+            out_l = (cupy.full((L, P), ids.size, np.int32), cupy.full((L, M), -1, np.int32),
+                     cupy.zeros(L, np.int32))
+        try:
+            base, lora = mla.align_moe_and_lora(d[0], d[1], B, E, L, lora_ids=d[2],
+                                                adapter_enabled=d[3], streams=streams,
+                                                out_base=out_b, out_lora=out_l)
+        except ValueError as e:
+            assert streams == "fused", e
+            return
+        lora_only = mla.moe_lora_align_block_size(d[0], d[1], B, E, L, lora_ids=d[2],
+                                                  adapter_enabled=d[3])
+        cupy.cuda.get_current_stream().synchronize()
+        _check_base(base, ids)
+        _check_lora(lora, ids, mapping, lora_ids, enabled)
+        _check_lora(lora_only, ids, mapping, lora_ids, enabled)
+
+
+def test_overlap_is_checked_on_the_prepared_path_too():
+    ids = _routing(0)
+    P, M = mla.buffer_sizes(ids.size, E, B)
+    d_ids = cupy.asarray(ids)
+    good = (cupy.zeros(P, np.int32), cupy.zeros(M, np.int32), cupy.zeros(1, np.int32))
+    mla.moe_align_block_size(d_ids, B, E, out=good)
+    mla.moe_align_block_size(d_ids, B, E, out=good)  # prepared
+    whole = cupy.full(P + M, POISON, np.int32)
+    with pytest.raises(ValueError, match="overlap"):
+        mla.moe_align_block_size(d_ids, B, E, out=(whole[:P], whole[P - 1:P - 1 + M],
+                                                   cupy.zeros(1, np.int32)))
+    assert (whole == POISON).all()
+
+
+def test_capture_through_the_public_function_with_out():
+    ids = _routing(5)
+    P, M = mla.buffer_sizes(ids.size, E, B)
+    d_ids = cupy.asarray(ids)
+    out = (cupy.empty(P, np.int32), cupy.empty(M, np.int32), cupy.empty(1, np.int32))
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        mla.moe_align_block_size(d_ids, B, E, out=out, stream=stream)  # warm-up: prepares
+        stream.synchronize()
+        stream.begin_capture()
+        mla.moe_align_block_size(d_ids, B, E, out=out, stream=stream)
+        graph = stream.end_capture()
+        for seed in (6, 7):
+            ids = _routing(seed)
+            d_ids.set(ids, stream=stream)
+            graph.launch(stream)
+            stream.synchronize()
+            _check_base(out, ids)
+        with pytest.raises(RuntimeError, match="AlignPlan"):
+            stream.begin_capture()
+            try:
+                mla.moe_align_block_size(d_ids, B, E, stream=stream)  # allocates: refused
+            finally:
+                stream.end_capture()
+
+
+def test_torch_public_calls():
+    torch = pytest.importorskip("torch")
+    for seed in range(3):
+        ids = _routing(seed)
+        t = torch.from_numpy(ids).cuda()
+        got = mla.moe_align_block_size(t, B, E)
+        assert isinstance(got.sorted_token_ids, torch.Tensor) and got.sorted_token_ids.is_cuda
+        _check_base(got, ids)
+        P, M = mla.buffer_sizes(ids.size, E, B)
+        out = (torch.empty(P, dtype=torch.int32, device="cuda"),
+               torch.empty(M, dtype=torch.int32, device="cuda"),
+               torch.empty(1, dtype=torch.int32, device="cuda"))
+        got = mla.moe_align_block_size(t, B, E, out=out)
+        assert got.sorted_token_ids is out[0]
+        torch.cuda.synchronize()
+        _check_base(got, ids)
+        rng = np.random.default_rng(seed)
+        mapping, lora_ids, enabled = make_lora(rng, ids.shape[0], L)
+        lora = mla.moe_lora_align_block_size(t, torch.from_numpy(mapping).cuda(), B, E, L,
+                                             lora_ids=torch.from_numpy(lora_ids).cuda(),
+                                             adapter_enabled=torch.from_numpy(enabled).cuda())
+        torch.cuda.synchronize()
+        _check_lora(lora, ids, mapping, lora_ids, enabled)
+
+
+def test_torch_graph_capture_with_out():
+    torch = pytest.importorskip("torch")
+    ids = _routing(3)
+    t = torch.from_numpy(ids).cuda()
+    P, M = mla.buffer_sizes(ids.size, E, B)
+    out = tuple(torch.empty(n, dtype=torch.int32, device="cuda") for n in (P, M, 1))
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        mla.moe_align_block_size(t, B, E, out=out)  # warm-up on the capture stream
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mla.moe_align_block_size(t, B, E, out=out)
+    for seed in (8, 9):
+        ids = _routing(seed)
+        t.copy_(torch.from_numpy(ids))
+        graph.replay()
+        torch.cuda.synchronize()
+        _check_base(out, ids)
+
+
+def test_plan_goes_the_same_way():
+    plan = mla.AlignPlan(64, K, E, B, max_loras=L)
+    for seed in range(3):
+        rng = np.random.default_rng(seed)
+        ids = make_routing(rng, 16, K, E, np.int32, "uniform")
+        mapping, lora_ids, enabled = make_lora(rng, 16, L)
+        base, lora = plan(cupy.asarray(ids), cupy.asarray(mapping),
+                          lora_ids=cupy.asarray(lora_ids), adapter_enabled=cupy.asarray(enabled))
+        cupy.cuda.get_current_stream().synchronize()
+        _check_base(base, ids)
+        _check_lora(lora, ids, mapping, lora_ids, enabled)
+    assert len(plan._prepared) == 1
