@@ -415,8 +415,9 @@ def current_device() -> int:
     return _fast["get_device"]()
 
 
-def build_prepared(calls, launched, arrays, ptrs, kind, stream_ptr, fixed=None):
-    """The ``Prepared`` form of device ``calls`` that were just launched, or None when their
+def build_prepared(calls, launched, ptrs, kind, stream_ptr, fixed=None):
+    """The ``Prepared`` form of device ``calls`` that were just launched (``ptrs``: the
+    addresses of the call's arrays, inputs first), or None when their
     launches cannot be replayed (CuPy's own launch, a copy of a strided input, a stream
     other than the caller's)."""
     recorded, mode, workspaces, sides = launched
@@ -526,7 +527,7 @@ def align(op, topk_ids, token_lora_mapping, block_size, num_experts, max_loras, 
             key, ptrs, device_id, stream_ptr, given = fast
             prep = lookup(_caches.get(device_id, {}), key)
             if prep is not None:
-                return _split(op, prep.run(ptrs, given, stream_ptr), scatter)
+                return _split(op, prep.run(ptrs, given, stream_ptr))
     # ---- the full path ----------------------------------------------------------------------
     if max_loras is not None:
         max_loras = _checks.positive_int("max_loras", max_loras, MAX_BUCKETS)
@@ -562,8 +563,7 @@ def align(op, topk_ids, token_lora_mapping, block_size, num_experts, max_loras, 
         fast = _fast_key(opts, inputs, outs, stream)
         if fast is not None:
             key, ptrs, device_id, stream_ptr, _ = fast
-            prep = build_prepared(calls, launched, inputs, ptrs[:5], _KINDS[type(topk_ids)],
-                                  stream_ptr)
+            prep = build_prepared(calls, launched, ptrs, _KINDS[type(topk_ids)], stream_ptr)
             if prep is not None:
                 keep(_caches.setdefault(device_id, {}), key, prep)
     return _split_answers(op, calls)
@@ -591,7 +591,7 @@ def _fast_key(opts, inputs, outs, stream):
     return (opts, props, stream_ptr), ptrs, device_id, stream_ptr, given
 
 
-def _split(op, results, scatter):
+def _split(op, results):
     if op == "pair":
         return tuple(results[:3]), tuple(results[3:])
     return tuple(results)

@@ -221,7 +221,7 @@ class AlignPlan:
             sp = _call.stream_pointer(kind, self.device_id, stream)
             if sp is not None:
                 outs = list(base_out) + list(lora_out or ())
-                prep = _call.build_prepared(calls, launched, inputs, ptrs, kind, sp,
+                prep = _call.build_prepared(calls, launched, ptrs, kind, sp,
                                             fixed=([int(x.data.ptr) for x in outs], answered))
                 if prep is not None:
                     _call.keep(self._prepared, (streams, props, sp), prep)

@@ -91,7 +91,7 @@ def _prepared(calls, monkeypatch):
                      calls[-1].job.adapter_enabled.data.ptr]
     launched = []
     monkeypatch.setattr(_launch, "replay_launches", lambda launches, st: launched.append(st))
-    prep = _call.build_prepared(calls, (recorded, None, [], None), None, ptrs, "cupy", 7)
+    prep = _call.build_prepared(calls, (recorded, None, [], None), ptrs, "cupy", 7)
     return prep, launched
 
 
