@@ -141,7 +141,10 @@ def prepare(topk_ids, block_size, num_experts, *, rows, token_lora_mapping=None,
                 _checks.check_lora_ids_values(native["lora_ids"], rows)
 
     bufs = [given[f"{out_arg} {n}"] for n in names] if outs is not None else [None] * len(names)
-    job = Job(topk_ids=ids.reshape(-1), numel=numel, topk=topk, num_experts=num_experts,
+    # The kernels read the routes as one contiguous run: a strided view (even one that
+    # flattens to a strided 1-D view) is copied first.
+    flat = (ids if ids.flags.c_contiguous else ids.copy()).reshape(-1)
+    job = Job(topk_ids=flat, numel=numel, topk=topk, num_experts=num_experts,
               block_size=block_size, rows=rows, padded_len=P, num_tiles=M,
               sorted_ids=bufs[0], expert_ids=bufs[1], num_post_pad=bufs[2],
               sorted_pitch=pitches[0] if pitches else P,

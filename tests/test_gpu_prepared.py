@@ -227,7 +227,7 @@ def test_torch_graph_capture_with_out():
         mla.moe_align_block_size(t, B, E, out=out)  # warm-up on the capture stream
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=side):  # captured where the warm-up call ran
         mla.moe_align_block_size(t, B, E, out=out)
     for seed in (8, 9):
         ids = _routing(seed)
@@ -249,3 +249,19 @@ def test_plan_goes_the_same_way():
         _check_base(base, ids)
         _check_lora(lora, ids, mapping, lora_ids, enabled)
     assert len(plan._prepared) == 1
+
+
+@pytest.mark.parametrize("op", ["base", "lora", "pair"])
+def test_benchmark_paths_check_out(op):
+    """The benchmark's rows (every eager path checked against NumPy first) at a decode size."""
+    from moe_lora_align import bench
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    if op == "pair":
+        r = bench.bench_pair(1, 64, 8, 16, 4, stream)
+    else:
+        row = dict(op=op, tokens=16, num_experts=64, topk=8, block_size=16)
+        if op == "lora":
+            row["max_loras"] = 4
+        r = bench.bench_single(row, "uniform", stream, True)
+    assert set(r["eager"]) >= {"plan", "cupy_out", "cupy_alloc"}
