@@ -237,6 +237,7 @@ def _note_kinds(*arrays) -> None:
         import cupy
 
         _fast["get_device"] = cupy.cuda.runtime.getDevice
+        _fast["is_capturing"] = cupy.cuda.runtime.streamIsCapturing
         _fast["current_stream"] = cupy.cuda.get_current_stream
     for x in arrays:
         if x is not None:
@@ -248,24 +249,22 @@ def _note_kinds(*arrays) -> None:
 def properties(arrays):
     """``(key part, pointers, framework)`` of device arrays, or None when an array is of a
     kind the prepared calls do not serve (then the call takes the full path)."""
-    props, ptrs, kind = [], [], None
-    for x in arrays:
+    props, ptrs, kind, kinds = [None] * len(arrays), [0] * len(arrays), None, _KINDS
+    for i, x in enumerate(arrays):
         if x is None:
-            props.append(None)
-            ptrs.append(0)
             continue
         t = type(x)
-        k = _KINDS.get(t)
+        k = kinds.get(t)
         if k is None or (kind is not None and k != kind):
             return None
         kind = k
         if k == "cupy":
             data = x.data
-            props.append((t, x.shape, x.strides, x.dtype, data.device_id))
-            ptrs.append(data.ptr)
+            props[i] = (t, x.shape, x.strides, x.dtype, data.device_id)
+            ptrs[i] = data.ptr
         else:
-            props.append((t, x.shape, x.stride(), x.dtype, x.get_device()))
-            ptrs.append(x.data_ptr())
+            props[i] = (t, x.shape, x.stride(), x.dtype, x.get_device())
+            ptrs[i] = x.data_ptr()
     return tuple(props), ptrs, kind
 
 
@@ -313,7 +312,10 @@ class Prepared:
 
     def current(self) -> bool:
         """False once a workspace it points into was reallocated."""
-        return all(ws.generation == gen for ws, gen in self.workspaces)
+        for ws, gen in self.workspaces:
+            if ws.generation != gen:
+                return False
+        return True
 
     def run(self, ptrs, outs, stream_ptr):
         """Align the call whose arrays have addresses ``ptrs`` (inputs, then ``out=``
@@ -367,14 +369,13 @@ class Prepared:
 
             buf = torch.empty(total, dtype=torch.int32, device=self.framework_device)
             base = buf.data_ptr()
-            views = [buf[off:off + _count(shape)].view(shape)
+            views = [buf[off:off + shape[0]] if len(shape) == 1 else
+                     buf[off:off + _count(shape)].view(shape)
                      for off, shape in self.out_layout[:-1]]
         return tuple(views), [base + 4 * off for off, _ in self.out_layout[:-1]]
 
     def _capturing(self, stream_ptr) -> bool:
-        import cupy
-
-        return cupy.cuda.runtime.streamIsCapturing(stream_ptr) != 0
+        return _fast["is_capturing"](stream_ptr) != 0
 
     def _launch(self, stream_ptr):
         from ._launch import replay_launches
