@@ -51,26 +51,7 @@ def to_native(x, where: str):
 
     if fw == "cupy":
         return x
-    if fw == "torch":
-        view = _torch_cuda_view(cupy, x)
-        if view is not None:
-            return view
     return cupy.from_dlpack(x)
-
-
-def _torch_cuda_view(cupy, t):
-    """A CuPy view of a CUDA tensor's memory, made from its pointer, shape and strides. Unlike
-    DLPack it makes no stream wait on another (which a CUDA graph capture refuses): the work
-    is ordered on torch's current stream, where the tensor's producer ran. None for dtypes
-    NumPy does not have."""
-    try:
-        dtype = np.dtype(str(t.dtype).replace("torch.", ""))
-    except TypeError:
-        return None
-    n = t.numel()
-    mem = cupy.cuda.UnownedMemory(t.data_ptr(), n * dtype.itemsize, t, t.get_device())
-    strides = tuple(s * dtype.itemsize for s in t.stride())
-    return cupy.ndarray(tuple(t.shape), dtype, cupy.cuda.MemoryPointer(mem, 0), strides)
 
 
 def classify(named_arrays: dict):
