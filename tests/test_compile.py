@@ -13,6 +13,7 @@ import pytest
 from moe_lora_align import _kernels
 
 cuda_core = pytest.importorskip("cuda.core", reason="cuda-core (the test extra) is not installed")
+pytestmark = pytest.mark.nvrtc
 
 ARCHS = ("sm_80", "sm_90")
 DTYPES = sorted(_kernels.CTYPES, key=str)

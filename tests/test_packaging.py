@@ -51,3 +51,31 @@ def test_checkout_finds_its_sources():
 
     found = _kernels.kernel_dir()
     assert (found / _kernels.MAIN_SOURCE).is_file()
+
+
+def test_wheel_carries_licence_and_types(wheel):
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert "moe_lora_align/py.typed" in names
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
+    meta = next(n for n in names if n.endswith(".dist-info/METADATA"))
+    text = zipfile.ZipFile(wheel).read(meta).decode()
+    assert "License-Expression: Apache-2.0" in text
+
+
+def test_sdist_carries_what_its_tests_need(tmp_path):
+    pytest.importorskip("setuptools")
+    code = ("import sys; from setuptools import build_meta; "
+            "print(build_meta.build_sdist(sys.argv[1]))")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
+                          text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    import tarfile
+
+    sdist = tmp_path / proc.stdout.strip().splitlines()[-1]
+    names = {n.split("/", 1)[1] for n in tarfile.open(sdist).getnames() if "/" in n}
+    for path in ("LICENSE", "CHANGELOG.md", "tests/gpu_util.py", "tests/fuzz_cases.py",
+                 "kernels/align_kernels.cu", "moe_lora_align/py.typed",
+                 "examples/quickstart.py"):
+        assert path in names, path
+    tests = {p.name for p in (ROOT / "tests").glob("*.py")}
+    assert tests <= {n.split("/")[-1] for n in names if n.startswith("tests/")}
