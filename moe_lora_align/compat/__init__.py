@@ -1,0 +1,1 @@
+"""Drop-ins with serving engines' raw-op signatures: ``compat.vllm``."""
