@@ -562,8 +562,24 @@ def main(argv=None):
     ap.add_argument("--plot", type=Path, help="write a PNG plot here")
     ap.add_argument("--table", type=Path, help="write the printed table here too")
     ap.add_argument("--no-skewed", action="store_true", help="skip the skewed-routing rows")
+    ap.add_argument("--from-json", type=Path,
+                    help="print (and with --plot draw) results saved by --json; no GPU needed")
     args = ap.parse_args(argv)
+    if args.from_json is not None:
+        saved = json.loads(args.from_json.read_text())
+        print(f"versions: {saved.get('versions')}\n" + table(saved["results"]))
+        if args.table:
+            args.table.write_text(table(saved["results"]) + "\n")
+        if args.plot:
+            plot(saved["results"], args.plot)
+        return 0
     if not mla.gpu_available():
+        asked = [f for f, v in (("--json", args.json), ("--plot", args.plot),
+                                ("--table", args.table)) if v is not None]
+        if asked:
+            print(f"error: {', '.join(asked)} need GPU figures and no GPU was found; "
+                  "--from-json PATH redraws saved results without one", file=sys.stderr)
+            return 2
         host_only(args.quick)
         return 0
     import cupy
