@@ -9,7 +9,8 @@ MAX_ROUTES = 2**24
 MAX_BUCKETS = 2**20
 
 
-def buffer_sizes(numel: int, num_experts: int, block_size: int, pad_sorted_ids: bool = False):
+def buffer_sizes(numel: int, num_experts: int, block_size: int,
+                 pad_sorted_ids: bool = False) -> "tuple[int, int]":
     """Return ``(P, M)``: the length of ``sorted_token_ids`` and of ``expert_ids``.
 
     ``P = numel + E*(B-1)``, rounded up to a multiple of ``B`` with ``pad_sorted_ids``, and

@@ -2,40 +2,60 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
-import numpy as np
+from typing import Any, NamedTuple, Optional, Sequence, Tuple, Union
 
 from . import _call
+
+try:
+    from typing import Literal, Protocol
+except ImportError:  # pragma: no cover - Python < 3.8
+    from typing_extensions import Literal, Protocol
+
+
+class Array(Protocol):
+    """An array the functions take and return: NumPy, CuPy, PyTorch or JAX."""
+
+    @property
+    def shape(self) -> Tuple[int, ...]: ...
+
+    @property
+    def dtype(self) -> Any: ...
+
+
+Variant = Optional[Literal["shared", "global", "cooperative"]]
+Streams = Optional[Literal["fused", "one", "two"]]
 
 
 class Alignment(NamedTuple):
     """Base alignment: ``sorted_token_ids[P]``, ``expert_ids[M]``, ``num_tokens_post_pad[1]``."""
-    sorted_token_ids: object
-    expert_ids: object
-    num_tokens_post_pad: object
+    sorted_token_ids: Array
+    expert_ids: Array
+    num_tokens_post_pad: Array
 
 
 class AlignmentWithScatter(NamedTuple):
     """Base alignment plus ``scatter_idx[numel]`` (``i`` for a kept route ``i``, else -1)."""
-    sorted_token_ids: object
-    expert_ids: object
-    num_tokens_post_pad: object
-    scatter_idx: object
+    sorted_token_ids: Array
+    expert_ids: Array
+    num_tokens_post_pad: Array
+    scatter_idx: Array
 
 
 class LoraAlignment(NamedTuple):
     """LoRA alignment: ``[max_loras, P]``, ``[max_loras, M]``, ``[max_loras]``, all int32."""
-    sorted_token_ids: object
-    expert_ids: object
-    num_tokens_post_pad: object
+    sorted_token_ids: Array
+    expert_ids: Array
+    num_tokens_post_pad: Array
 
 
 # ---- public API ---------------------------------------------------------------------------
-def moe_align_block_size(topk_ids, block_size, num_experts, expert_map=None, *,
-                         pad_sorted_ids=False, ignore_invalid_experts=False,
-                         return_scatter_idx=False, deterministic=False, out=None,
-                         variant=None, stream=None, validate=None):
+def moe_align_block_size(topk_ids: Array, block_size: int, num_experts: int,
+                         expert_map: Optional[Array] = None, *, pad_sorted_ids: bool = False,
+                         ignore_invalid_experts: bool = False, return_scatter_idx: bool = False,
+                         deterministic: bool = False, out: Optional[Sequence[Array]] = None,
+                         variant: Variant = None, stream: Any = None,
+                         validate: Optional[bool] = None
+                         ) -> Union[Alignment, AlignmentWithScatter]:
     """Group the routes of ``topk_ids`` by expert, padded to tiles of ``block_size``.
 
     Args:
@@ -75,10 +95,15 @@ def moe_align_block_size(topk_ids, block_size, num_experts, expert_map=None, *,
     return AlignmentWithScatter(*res) if len(res) == 4 else Alignment(*res)
 
 
-def moe_lora_align_block_size(topk_ids, token_lora_mapping, block_size, num_experts, max_loras,
-                              *, lora_ids=None, adapter_enabled=None, expert_map=None,
-                              pad_sorted_ids=False, deterministic=False, out=None,
-                              variant=None, stream=None, validate=None):
+def moe_lora_align_block_size(topk_ids: Array, token_lora_mapping: Array, block_size: int,
+                              num_experts: int, max_loras: int, *,
+                              lora_ids: Optional[Array] = None,
+                              adapter_enabled: Optional[Array] = None,
+                              expert_map: Optional[Array] = None, pad_sorted_ids: bool = False,
+                              deterministic: bool = False,
+                              out: Optional[Sequence[Array]] = None, variant: Variant = None,
+                              stream: Any = None, validate: Optional[bool] = None
+                              ) -> LoraAlignment:
     """Align the routes of every LoRA adapter slot on its own, one output row per slot.
 
     Row ``L`` is exactly the base alignment of the routes of the tokens with
@@ -114,11 +139,15 @@ def moe_lora_align_block_size(topk_ids, token_lora_mapping, block_size, num_expe
     return LoraAlignment(*res)
 
 
-def align_moe_and_lora(topk_ids, token_lora_mapping, block_size, num_experts, max_loras, *,
-                       lora_ids=None, adapter_enabled=None, expert_map=None,
-                       ignore_invalid_experts=False, pad_sorted_ids=False, deterministic=False,
-                       out_base=None, out_lora=None, streams=None, variant=None, stream=None,
-                       validate=None):
+def align_moe_and_lora(topk_ids: Array, token_lora_mapping: Array, block_size: int,
+                       num_experts: int, max_loras: int, *, lora_ids: Optional[Array] = None,
+                       adapter_enabled: Optional[Array] = None,
+                       expert_map: Optional[Array] = None, ignore_invalid_experts: bool = False,
+                       pad_sorted_ids: bool = False, deterministic: bool = False,
+                       out_base: Optional[Sequence[Array]] = None,
+                       out_lora: Optional[Sequence[Array]] = None, streams: Streams = None,
+                       variant: Variant = None, stream: Any = None,
+                       validate: Optional[bool] = None) -> Tuple[Alignment, LoraAlignment]:
     """Base and LoRA alignment of one batch at once; returns ``(Alignment, LoraAlignment)``.
 
     The arguments are those of ``moe_align_block_size`` (base: ``expert_map`` with

@@ -8,6 +8,8 @@ synchronisation, no device-attribute query. That is what a CUDA graph capture ne
 
 from __future__ import annotations
 
+from typing import Any, Optional, Tuple, Union
+
 import numpy as np
 
 from . import _call, _checks, _interop
@@ -18,7 +20,7 @@ from ._launch import (MAP_BEFORE, MAP_NONE, Workspace, checked_launch, device_li
                       device_memory, workspace_needs)
 from ._sizes import MAX_BUCKETS, buffer_sizes
 from ._streams import side_streams
-from .api import Alignment, LoraAlignment
+from .api import Alignment, Array, LoraAlignment, Streams, Variant
 
 
 def _gpu_available() -> bool:
@@ -64,10 +66,11 @@ class AlignPlan:
     plan's buffers, so one plan serves one host thread at a time.
     """
 
-    def __init__(self, max_tokens, topk, num_experts, block_size, *, max_loras=None,
-                 dtype=np.int32, device=None, pad_sorted_ids=False,
-                 ignore_invalid_experts=False, deterministic=False, variant=None,
-                 streams=None):
+    def __init__(self, max_tokens: int, topk: int, num_experts: int, block_size: int, *,
+                 max_loras: Optional[int] = None, dtype: Any = np.int32,
+                 device: Optional[int] = None, pad_sorted_ids: bool = False,
+                 ignore_invalid_experts: bool = False, deterministic: bool = False,
+                 variant: Variant = None, streams: Streams = None) -> None:
         # Every argument is checked before any device is touched.
         self.max_tokens = _checks.positive_int("max_tokens", max_tokens)
         self.topk = _checks.positive_int("topk", topk)
@@ -145,8 +148,11 @@ class AlignPlan:
             self._lora_ws.ensure(*workspace_needs(lora, nb))
 
     # ---- calls: the public functions' path, with the plan's buffers and workspaces -------
-    def __call__(self, topk_ids, token_lora_mapping=None, *, lora_ids=None,
-                 adapter_enabled=None, expert_map=None, stream=None, streams=None):
+    def __call__(self, topk_ids: Array, token_lora_mapping: Optional[Array] = None, *,
+                 lora_ids: Optional[Array] = None, adapter_enabled: Optional[Array] = None,
+                 expert_map: Optional[Array] = None, stream: Any = None,
+                 streams: Streams = None
+                 ) -> Union[Alignment, Tuple[Alignment, LoraAlignment]]:
         """Align one batch; returns ``Alignment`` or, with ``max_loras``, ``(Alignment,
         LoraAlignment)``, as views of the plan's buffers, ordered on ``stream`` (default:
         the current stream of the input's framework)."""
