@@ -6,6 +6,7 @@ Public API: ``moe_align_block_size``, ``moe_lora_align_block_size``, ``align_moe
 ``MAX_ROUTES`` and ``MAX_BUCKETS``.
 """
 
+from ._dispatch import AlignPolicy
 from ._launch import scratch_bytes
 from ._sizes import MAX_BUCKETS, MAX_ROUTES, buffer_sizes
 from .api import (Alignment, AlignmentWithScatter, LoraAlignment, align_moe_and_lora,
@@ -15,7 +16,7 @@ from .plan import AlignPlan
 __version__ = "0.1.0"
 
 __all__ = [
-    "AlignPlan", "Alignment", "AlignmentWithScatter", "LoraAlignment", "align_moe_and_lora",
+    "AlignPlan", "AlignPolicy", "Alignment", "AlignmentWithScatter", "LoraAlignment", "align_moe_and_lora",
     "moe_align_block_size", "moe_lora_align_block_size", "buffer_sizes", "gpu_available",
     "scratch_bytes", "MAX_ROUTES", "MAX_BUCKETS", "__version__",
 ]

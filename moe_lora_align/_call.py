@@ -17,7 +17,7 @@ import threading
 import numpy as np
 
 from . import _checks, _interop
-from ._dispatch import VARIANTS
+from ._dispatch import DEFAULT_POLICY, VARIANTS, AlignPolicy
 from ._launch import MAP_AFTER, MAP_BEFORE, MAP_NONE, POINTERS, Job
 from ._reference import align_rows, processed_rows
 from ._sizes import MAX_BUCKETS, buffer_sizes
@@ -491,7 +491,7 @@ def build_prepared(calls, launched, ptrs, kind, stream_ptr, fixed=None):
 
 
 def launch_calls(calls, streams=None, variant=None, stream=None, workspaces=None,
-                 sides=None):
+                 sides=None, policy=DEFAULT_POLICY):
     """Launch checked device calls (one, or base and LoRA) on the caller's stream, recording
     the launches; returns ``(recorded, mode, workspaces used, side streams)``."""
     from . import _launch
@@ -500,19 +500,21 @@ def launch_calls(calls, streams=None, variant=None, stream=None, workspaces=None
     with _launch.record_launches() as recorded:
         if len(calls) == 1:
             used = _launch.run(c.job, c.device_id, c.framework, variant=variant, stream=stream,
-                               needs_alloc=c.out_shapes is not None, workspace=workspaces)
+                               needs_alloc=c.out_shapes is not None, workspace=workspaces,
+                               policy=policy)
             mode, side = None, None
         else:
             mode, used, side = _launch.run_pair(
                 c.job, calls[1].job, c.device_id, c.framework, streams=streams,
                 variant=variant, stream=stream, needs_alloc=c.out_shapes is not None,
-                workspaces=workspaces, sides=sides)
+                workspaces=workspaces, sides=sides, policy=policy)
     return list(recorded), mode, used, side
 
 
 def align(op, topk_ids, token_lora_mapping, block_size, num_experts, max_loras, *, lora_ids,
           adapter_enabled, expert_map, ignore_invalid_experts, pad_sorted_ids, scatter,
-          deterministic, out_base, out_lora, streams, variant, stream, validate):
+          deterministic, out_base, out_lora, streams, variant, stream, validate,
+          policy=None):
     """Every public function's call: ``op`` is "base", "lora" or "pair". Returns the tuple
     of outputs of each alignment (the base one, the LoRA one, or both)."""
     outs = ((out_base if op != "lora" else None), (out_lora if op != "base" else None))
@@ -521,7 +523,7 @@ def align(op, topk_ids, token_lora_mapping, block_size, num_experts, max_loras, 
               expert_map)
     # ---- a call like an earlier one: its prepared form, pointers rewritten ------------------
     opts = (op, block_size, num_experts, max_loras, ignore_invalid_experts, pad_sorted_ids,
-            scatter, deterministic, streams, variant)
+            scatter, deterministic, streams, variant, policy)
     fast = None
     if (_KINDS and validate is not True and type(block_size) is int is type(num_experts)
             and type(pad_sorted_ids) is bool is type(deterministic) is type(scatter)
@@ -538,6 +540,10 @@ def align(op, topk_ids, token_lora_mapping, block_size, num_experts, max_loras, 
     variant = _checks.option("variant", variant, VARIANTS)
     streams = _checks.option("streams", streams, STREAM_MODES)
     scatter = _checks.flag("return_scatter_idx", scatter)
+    if policy is None:
+        policy = DEFAULT_POLICY
+    elif not isinstance(policy, AlignPolicy):
+        raise TypeError(f"policy must be an AlignPolicy or None, got {type(policy).__name__}")
     calls = []
     if op != "lora":
         calls.append(prepare(topk_ids, block_size, num_experts, rows=1, expert_map=expert_map,
@@ -561,7 +567,7 @@ def align(op, topk_ids, token_lora_mapping, block_size, num_experts, max_loras, 
         for c in calls:
             run_on_host(c.job)
         return _split_answers(op, calls)
-    launched = launch_calls(calls, streams, variant, stream)
+    launched = launch_calls(calls, streams, variant, stream, policy=policy)
     if validate is not True:
         _note_kinds(*inputs, *(outs[0] or ()), *(outs[1] or ()))
         fast = _fast_key(opts, inputs, outs, stream)

@@ -1,25 +1,53 @@
-"""The dispatcher: a pure function from sizes and device limits to a variant and its geometry.
+"""The dispatcher: a pure function from sizes, device limits and a tuning policy to a variant
+and its geometry.
 
-No GPU is needed to call it, so CI tests its decisions. The numbers it relies on mirror the
-kernels (``kernels/align_kernels.cu``): ``ITEMS_PER_THREAD`` routes per thread in registers and
-``unsigned short`` per-warp counters in deterministic mode.
+No GPU is needed to call it, so CI tests its decisions. Two kinds of numbers steer it: the
+kernels' compile-time constants (``kernels/align_kernels.cu``, mirrored below and checked
+against the source by a test), and the tuning in ``AlignPolicy``, a value passed in (the
+measurements behind its defaults are in ``docs/tuning.md``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Tuple
 
+# Constants of the kernels (tests/test_dispatch.py reads them back from the CUDA source).
 BLOCK = 1024                  # threads per block of every non-deterministic kernel
-ITEMS_PER_THREAD = 4          # kernels/align_kernels.cu: ITEMS_PER_THREAD
+ITEMS_PER_THREAD = 4          # ITEMS_PER_THREAD: routes a thread holds in registers
+TINY_ITEMS = 4                # TINY_ITEMS: align_tiny's routes a thread
+TINY_BUCKETS = 4              # TINY_BUCKETS: align_tiny's buckets a thread when buckets
+                              #   outnumber threads
+COOP_ITEMS = 8                # COOP_ITEMS: the cooperative kernels' routes a thread, at most
 SINGLE_BLOCK_MAX_ROUTES = BLOCK * ITEMS_PER_THREAD
 WARP_COUNTER_MAX = 65535      # unsigned short per-warp counters bound a deterministic chunk
-CHUNK_MATRIX_BUDGET = 1 << 18  # entries of the deterministic [chunks, buckets] prefix matrix
 SMEM_SLACK = 512              # bytes of a block's shared memory kept for the kernels' static
                               #   shared memory (KernelSet checks each kernel's fits)
-FILL_PER_BLOCK = 8192         # sentinel entries per count-kernel block, at most (about)
 
-COOP_ITEMS = 8                # kernels/align_kernels.cu: COOP_ITEMS (cooperative kernels'
-                              #   routes per thread, at most)
+
+@dataclass(frozen=True)
+class AlignPolicy:
+    """The dispatcher's tuning: every size at which it changes its mind, as one value.
+
+    The defaults are the H200's; ``docs/tuning.md`` has the measurement behind each. An
+    experiment makes its own (``dataclasses.replace(AlignPolicy(), use_tiny=False)``) and
+    passes it to the public functions or ``AlignPlan`` as ``policy=``.
+    """
+    # One block at decode sizes: align_tiny where it fits, else align_single.
+    use_tiny: bool = True
+    tiny_one_bucket_max: int = 1024      # align_tiny: a thread a bucket up to this, then 1 per 4
+    single_block_sizes: Tuple[int, ...] = (128, 256, 512, 1024)  # align_single's choices
+    one_route_per_thread: int = 512      # up to this many routes, a thread claims one
+    entries_per_thread: int = 64         # output entries a thread of one block writes, at most
+    buckets_per_thread: int = 4          # buckets a thread of align_single zeroes and scans
+    # Above this many output entries the cooperative launch beats one block.
+    coop_over_single_entries: int = 81920
+    # Multi-block launches.
+    fill_per_block: int = 8192           # sentinel entries a count block fills, about
+    chunk_matrix_budget: int = 1 << 18   # entries of the deterministic [chunks, buckets] matrix
+
+
+DEFAULT_POLICY = AlignPolicy()
 
 # "shared" / "global": where the counting histogram lives (one block at decode sizes, else a
 # count and a place launch); "cooperative": shared histograms, one launch of resident blocks
@@ -131,54 +159,33 @@ def shared_fits(num_buckets: int, rows: int, limits: DeviceLimits) -> bool:
     return smem_place(MODE_SHARED, num_buckets, rows) <= limits.dynamic_smem
 
 
-SINGLE_BLOCK_SIZES = (128, 256, 512, 1024)
-ENTRIES_PER_THREAD = 64       # output entries a thread of the single block writes at most
-BUCKETS_PER_THREAD = 4        # buckets a thread zeroes and scans at most
-ONE_ROUTE_PER_THREAD = 512    # up to this many routes, each thread claims one
-# Above this many output entries the one-block kernel, which writes them all through one SM,
-# loses to the cooperative launch (results/r13-68c1139, graph µs, one block vs cooperative):
-# LoRA T=256 E=256 16 slots (100K entries) 16.4 vs 14.1; T=16 E=256 16 slots (67K) 8.8 vs
-# 12.4; T=256 E=128 16 slots (50K) 10.5 vs 11.9.
-COOP_OVER_SINGLE_ENTRIES = 81920
-
-
-def single_block_threads(numel: int, out_entries: int, num_buckets: int = 0) -> int:
-    """The smallest block that spreads the single block's serial loops: its claims (one
-    route a thread up to 512 routes, then up to ITEMS_PER_THREAD), the output fill and the
-    bucket scan. Measured on the H200 (results/r9-d510ee0/decode.txt): 128 threads for
-    base T=64 E=256 took 5.4 µs, 512 threads 4.0; LoRA T=1 E=256 x 16 slots 11.4 at 128
-    threads (32 buckets a thread), 7.0 at 1024; larger blocks than needed cost up to 0.9."""
-    for block in SINGLE_BLOCK_SIZES:
-        if (block * ITEMS_PER_THREAD >= numel and block >= min(numel, ONE_ROUTE_PER_THREAD)
-                and block * ENTRIES_PER_THREAD >= out_entries
-                and block * BUCKETS_PER_THREAD >= num_buckets):
+def single_block_threads(numel: int, out_entries: int, num_buckets: int = 0,
+                         policy: AlignPolicy = DEFAULT_POLICY) -> int:
+    """The smallest block that spreads align_single's serial loops: its claims (one route a
+    thread up to ``one_route_per_thread`` routes, then up to ITEMS_PER_THREAD), the output
+    fill and the bucket scan (docs/tuning.md: align_single's block)."""
+    for block in policy.single_block_sizes:
+        if (block * ITEMS_PER_THREAD >= numel
+                and block >= min(numel, policy.one_route_per_thread)
+                and block * policy.entries_per_thread >= out_entries
+                and block * policy.buckets_per_thread >= num_buckets):
             return block
     return BLOCK
 
 
-TINY_ITEMS = 4                # kernels/align_kernels.cu: TINY_ITEMS (align_tiny's routes a thread)
-TINY_BUCKETS = 4              # kernels/align_kernels.cu: TINY_BUCKETS (its buckets a thread when
-                              #   there are more buckets than threads)
-# Up to this many buckets align_tiny has a thread per bucket, above it one per TINY_BUCKETS
-# (results/r18-e9394bf/tiny_variants_907f287.txt, graph µs, a thread per bucket vs one per
-# four, 1024 buckets: LoRA T=16 E=64 x 16 slots 5.03 vs 5.23, T=256 8.93 vs 9.45; LoRA T=256
-# E=256 x 4 slots 8.29 vs 8.84). scripts/tiny_experiment.py changes it.
-TINY_ONE_BUCKET_MAX = BLOCK
-USE_TINY = True               # scripts/tiny_experiment.py switches it off to time align_single
-
-
-def tiny_block_threads(numel: int, out_entries: int, num_buckets: int):
-    """Threads of align_tiny (a multiple of 32): one per bucket up to TINY_ONE_BUCKET_MAX
-    buckets, else one per TINY_BUCKETS buckets; one route each up to ONE_ROUTE_PER_THREAD
-    routes, at most TINY_ITEMS; ENTRIES_PER_THREAD entries of the fill each, or all BLOCK
+def tiny_block_threads(numel: int, out_entries: int, num_buckets: int,
+                       policy: AlignPolicy = DEFAULT_POLICY):
+    """Threads of align_tiny (a multiple of 32): one per bucket up to ``tiny_one_bucket_max``
+    buckets, else one per TINY_BUCKETS buckets; one route each up to ``one_route_per_thread``
+    routes, at most TINY_ITEMS; ``entries_per_thread`` entries of the fill each, or all BLOCK
     threads for larger fills. None where one block cannot hold the routes or the buckets.
     The kernel gives each thread TINY_BUCKETS buckets exactly when there are more buckets
     than threads."""
-    bucket_threads = (num_buckets if num_buckets <= TINY_ONE_BUCKET_MAX
+    bucket_threads = (num_buckets if num_buckets <= policy.tiny_one_bucket_max
                       else _ceil_div(num_buckets, TINY_BUCKETS))
-    need = max(32, bucket_threads, min(numel, ONE_ROUTE_PER_THREAD),
+    need = max(32, bucket_threads, min(numel, policy.one_route_per_thread),
                _ceil_div(numel, TINY_ITEMS),
-               min(_ceil_div(out_entries, ENTRIES_PER_THREAD), BLOCK))
+               min(_ceil_div(out_entries, policy.entries_per_thread), BLOCK))
     block = _ceil_div(need, 32) * 32
     return block if block <= BLOCK else None
 
@@ -192,12 +199,13 @@ def tiny_warp_counter_bytes(numel: int, block: int, num_buckets: int) -> int:
 
 
 def _single_block(numel, num_buckets, rows, deterministic, limits, out_entries=0,
-                  use_tiny=True):
+                  use_tiny=True, policy: AlignPolicy = DEFAULT_POLICY):
     if numel > SINGLE_BLOCK_MAX_ROUTES:
         return None
     base = smem_one_block(num_buckets, rows)
-    block = single_block_threads(numel, out_entries, num_buckets)
-    tiny = tiny_block_threads(numel, out_entries, num_buckets) if USE_TINY and use_tiny else None
+    block = single_block_threads(numel, out_entries, num_buckets, policy)
+    tiny = (tiny_block_threads(numel, out_entries, num_buckets, policy)
+            if policy.use_tiny and use_tiny else None)
     if tiny is not None:
         smem = base + (tiny_warp_counter_bytes(numel, tiny, num_buckets) if deterministic else 0)
         if smem <= limits.dynamic_smem:
@@ -220,7 +228,8 @@ def _ceil_div(a, b):
     return -(-a // b)
 
 
-def _cooperative(numel, num_buckets, rows, limits, out_entries, deterministic=False):
+def _cooperative(numel, num_buckets, rows, limits, out_entries, deterministic=False,
+                 policy: AlignPolicy = DEFAULT_POLICY):
     """The one-launch multi-block kernel's geometry, or None where it cannot run: no
     cooperative launch, more routes than the resident blocks hold, or its shared memory
     (histogram, reserved offsets, starts: 12 bytes a bucket; 8 bytes a staged route; in
@@ -236,7 +245,7 @@ def _cooperative(numel, num_buckets, rows, limits, out_entries, deterministic=Fa
     if smem > limits.dynamic_smem:
         return None
     # Blocks past the last chunk only take their share of the sentinel fill.
-    fill_blocks = min(limits.sm_count, _ceil_div(out_entries, FILL_PER_BLOCK))
+    fill_blocks = min(limits.sm_count, _ceil_div(out_entries, policy.fill_per_block))
     grid = max(1, _ceil_div(numel, chunk), fill_blocks)
     return Launch("cooperative", "cooperative", deterministic, BLOCK, grid=grid, chunk=chunk,
                   smem_place=smem)
@@ -244,7 +253,7 @@ def _cooperative(numel, num_buckets, rows, limits, out_entries, deterministic=Fa
 
 def choose_launch(numel: int, num_buckets: int, rows: int, limits: DeviceLimits, *,
                   deterministic: bool = False, variant: str | None = None,
-                  out_entries: int = 0) -> Launch:
+                  out_entries: int = 0, policy: AlignPolicy = DEFAULT_POLICY) -> Launch:
     """Pick the variant and launch geometry of one alignment.
 
     ``num_buckets`` is ``rows * num_experts``; ``out_entries`` the output entries written
@@ -258,14 +267,17 @@ def choose_launch(numel: int, num_buckets: int, rows: int, limits: DeviceLimits,
     if variant is not None and variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS} or None, got {variant!r}")
     if variant == "cooperative":
-        return _forced_cooperative(numel, num_buckets, rows, limits, deterministic, out_entries)
+        return _forced_cooperative(numel, num_buckets, rows, limits, deterministic, out_entries,
+                                   policy)
     coop = None
     if variant is None:
-        coop = _cooperative(numel, num_buckets, rows, limits, out_entries, deterministic)
-        if coop is not None and out_entries > COOP_OVER_SINGLE_ENTRIES:
+        coop = _cooperative(numel, num_buckets, rows, limits, out_entries, deterministic,
+                            policy)
+        if coop is not None and out_entries > policy.coop_over_single_entries:
             return coop
     if variant in (None, "shared"):
-        single = _single_block(numel, num_buckets, rows, deterministic, limits, out_entries)
+        single = _single_block(numel, num_buckets, rows, deterministic, limits, out_entries,
+                               policy=policy)
         if single is not None:
             return single
     if coop is not None:
@@ -286,7 +298,8 @@ def choose_launch(numel: int, num_buckets: int, rows: int, limits: DeviceLimits,
         chunk = min(SINGLE_BLOCK_MAX_ROUTES, max(BLOCK, _ceil_div(per_sm, BLOCK) * BLOCK))
         grid = max(1, _ceil_div(numel, chunk))
         # Blocks past the last chunk only write sentinels: the fill then spreads over the SMs.
-        count_grid = max(grid, min(limits.sm_count, _ceil_div(out_entries, FILL_PER_BLOCK)))
+        count_grid = max(grid, min(limits.sm_count,
+                                   _ceil_div(out_entries, policy.fill_per_block)))
         if chosen == "global":
             copy = _room(smem_place(MODE_GLOBAL, num_buckets, rows, starts_in_smem=True),
                          limits)
@@ -314,7 +327,7 @@ def choose_launch(numel: int, num_buckets: int, rows: int, limits: DeviceLimits,
     ranges = _ceil_div(num_buckets, width)
     min_chunks = max(1, _ceil_div(numel, WARP_COUNTER_MAX))
     want = max(1, _ceil_div(limits.sm_count, ranges))
-    budget = max(1, CHUNK_MATRIX_BUDGET // num_buckets)
+    budget = max(1, policy.chunk_matrix_budget // num_buckets)
     chunks = max(min_chunks, min(want, budget, max(1, _ceil_div(numel, BLOCK))))
     chunk = max(1, _ceil_div(numel, chunks))
     chunks = max(1, _ceil_div(numel, chunk))
@@ -329,8 +342,8 @@ def choose_launch(numel: int, num_buckets: int, rows: int, limits: DeviceLimits,
                   starts_in_smem=copy)
 
 
-def _forced_cooperative(numel, num_buckets, rows, limits, deterministic, out_entries):
-    coop = _cooperative(numel, num_buckets, rows, limits, out_entries, deterministic)
+def _forced_cooperative(numel, num_buckets, rows, limits, deterministic, out_entries, policy):
+    coop = _cooperative(numel, num_buckets, rows, limits, out_entries, deterministic, policy)
     if coop is None:
         if not limits.cooperative:
             why = "this device or CuPy cannot issue cooperative launches"
@@ -369,7 +382,7 @@ class CooperativePair:
 
 def choose_cooperative_pair(numel: int, base_buckets: int, lora_buckets: int, rows: int,
                             limits: DeviceLimits, *, base_entries: int = 0,
-                            lora_entries: int = 0):
+                            lora_entries: int = 0, policy: AlignPolicy = DEFAULT_POLICY):
     """Both alignments in one cooperative launch, the SMs split between them, or ``None``
     where either side cannot run in its share. The base side gets enough blocks for about
     four routes a thread (it has little to fill), at most half the SMs; LoRA the rest (its
@@ -383,7 +396,7 @@ def choose_cooperative_pair(numel: int, base_buckets: int, lora_buckets: int, ro
                                    (limits.sm_count - base_blocks, lora_buckets, rows,
                                     lora_entries)):
         side = _cooperative(numel, nb, r, DeviceLimits(blocks, limits.smem_optin, True),
-                            entries)
+                            entries, policy=policy)
         if side is None:
             return None
         sides.append(side)
@@ -392,16 +405,17 @@ def choose_cooperative_pair(numel: int, base_buckets: int, lora_buckets: int, ro
 
 def choose_pair(numel: int, base_buckets: int, lora_buckets: int, rows: int,
                 limits: DeviceLimits, *, deterministic: bool = False, out_entries: int = 0,
-                prefer_cooperative: bool = False):
+                prefer_cooperative: bool = False, policy: AlignPolicy = DEFAULT_POLICY):
     """The fused single launch for base + LoRA, or ``None`` when either side needs more
     (or, with ``prefer_cooperative``, the LoRA side writes so much that one block for it
     loses to the cooperative pair). ``out_entries``: output entries of the LoRA side."""
     if (prefer_cooperative and not deterministic and limits.cooperative
-            and out_entries > COOP_OVER_SINGLE_ENTRIES):
+            and out_entries > policy.coop_over_single_entries):
         return None
     base = _single_block(numel, base_buckets, 1, deterministic, limits,
-                         out_entries // max(rows, 1))
-    lora = _single_block(numel, lora_buckets, rows, deterministic, limits, out_entries)
+                         out_entries // max(rows, 1), policy=policy)
+    lora = _single_block(numel, lora_buckets, rows, deterministic, limits, out_entries,
+                         policy=policy)
     if base is None or lora is None:
         return None
     if base.tiny and lora.tiny:
@@ -414,7 +428,8 @@ def choose_pair(numel: int, base_buckets: int, lora_buckets: int, rows: int,
             return Launch("shared", "single", deterministic, block, grid=2, smem_single=smem,
                           tiny=True)
     if base.tiny or lora.tiny:  # two align_single blocks, each side sized for that kernel
-        base, lora = (_single_block(numel, nb, r, deterministic, limits, e, use_tiny=False)
+        base, lora = (_single_block(numel, nb, r, deterministic, limits, e, use_tiny=False,
+                                    policy=policy)
                       for nb, r, e in ((base_buckets, 1, out_entries // max(rows, 1)),
                                        (lora_buckets, rows, out_entries)))
         if base is None or lora is None:

@@ -284,19 +284,22 @@ def launch_kernel(ks, key, grid: int, block: int, smem: int, stream, *jobs,
 
 @functools.lru_cache(maxsize=4096)
 def checked_launch(numel: int, num_buckets: int, rows: int, limits: _dispatch.DeviceLimits,
-                   deterministic: bool, variant, out_entries: int) -> _dispatch.Launch:
+                   deterministic: bool, variant, out_entries: int,
+                   policy: _dispatch.AlignPolicy = _dispatch.DEFAULT_POLICY
+                   ) -> _dispatch.Launch:
     """The dispatcher's choice for these sizes, checked against what its kernels need
     (``_dispatch.check_launch``) before anything is launched. Pure, so cached."""
     launch = _dispatch.choose_launch(numel, num_buckets, rows, limits,
                                      deterministic=deterministic, variant=variant,
-                                     out_entries=out_entries)
+                                     out_entries=out_entries, policy=policy)
     _dispatch.check_launch(launch, numel, [(num_buckets, rows)], limits)
     return launch
 
 
-def plan_launch(job: Job, device_id: int, variant=None) -> _dispatch.Launch:
+def plan_launch(job: Job, device_id: int, variant=None,
+                policy: _dispatch.AlignPolicy = _dispatch.DEFAULT_POLICY) -> _dispatch.Launch:
     return checked_launch(job.numel, job.num_buckets, job.rows, device_limits(device_id),
-                          job.deterministic, variant, out_entries(job))
+                          job.deterministic, variant, out_entries(job), policy)
 
 
 def out_entries(job: Job) -> int:
@@ -315,7 +318,8 @@ def workspace_needs(launch: _dispatch.Launch, num_buckets: int):
 
 def scratch_bytes(numel: int, num_experts: int, block_size: int, *, max_loras=None,
                   deterministic: bool = False, variant=None, pad_sorted_ids: bool = False,
-                  limits: _dispatch.DeviceLimits | None = None, device: int = 0) -> int:
+                  limits: _dispatch.DeviceLimits | None = None, device: int = 0,
+                  policy: _dispatch.AlignPolicy = _dispatch.DEFAULT_POLICY) -> int:
     """Device memory, in bytes, that one base (or, with ``max_loras``, LoRA) alignment of
     these sizes needs beyond its outputs: the workspace of the stream it runs on,
     ``4 * (5*b + 10 + max(1, m))`` for ``b`` buckets (``max_loras * num_experts``) and ``m``
@@ -329,7 +333,8 @@ def scratch_bytes(numel: int, num_experts: int, block_size: int, *, max_loras=No
     P, M = buffer_sizes(numel, num_experts, block_size, pad_sorted_ids)
     limits = limits or device_limits(device)
     nb = rows * num_experts
-    launch = checked_launch(numel, nb, rows, limits, deterministic, variant, rows * (P + M))
+    launch = checked_launch(numel, nb, rows, limits, deterministic, variant, rows * (P + M),
+                            policy)
     b, m = workspace_needs(launch, nb)
     return 4 * workspace_entries(max(b, 1), max(m, 1))
 
@@ -425,7 +430,7 @@ def _ready(ws: Workspace, launch: _dispatch.Launch, job: Job, device_id: int) ->
 
 
 def run(job: Job, device_id: int, framework: str, *, variant=None, stream=None,
-        needs_alloc=False, workspace=None):
+        needs_alloc=False, workspace=None, policy=_dispatch.DEFAULT_POLICY):
     """Launch one alignment on the caller's stream, with the stream's workspace (or the one
     given: an AlignPlan's); returns the workspaces used."""
     import cupy
@@ -434,14 +439,15 @@ def run(job: Job, device_id: int, framework: str, *, variant=None, stream=None,
 
     with cupy.cuda.Device(device_id):
         s = caller_stream(framework, device_id, stream)
-        launch = plan_launch(job, device_id, variant)
+        launch = plan_launch(job, device_id, variant, policy)
         ws = workspace or stream_workspace(device_id, s)
         check_capturable(s, needs_alloc or not _ready(ws, launch, job, device_id), "this call")
         launch_one(job, launch, ws, s, device_id)
     return [ws]
 
 
-def choose_streams(base: Job, lora: Job, device_id: int, streams=None, variant=None):
+def choose_streams(base: Job, lora: Job, device_id: int, streams=None, variant=None,
+                   policy: _dispatch.AlignPolicy = _dispatch.DEFAULT_POLICY):
     """Pick how base + LoRA run: ``fused`` (one launch: two blocks at decode sizes, else a
     cooperative launch split between them), ``one`` (both on the caller's stream) or ``two``
     (forked onto two side streams); ``streams`` was checked where the call entered.
@@ -452,11 +458,11 @@ def choose_streams(base: Job, lora: Job, device_id: int, streams=None, variant=N
         pair = _dispatch.choose_pair(base.numel, base.num_buckets, lora.num_buckets, lora.rows,
                                      limits, deterministic=base.deterministic,
                                      out_entries=out_entries(lora),
-                                     prefer_cooperative=variant is None)
+                                     prefer_cooperative=variant is None, policy=policy)
     if pair is None and variant in (None, "cooperative") and not base.deterministic:
         pair = _dispatch.choose_cooperative_pair(
             base.numel, base.num_buckets, lora.num_buckets, lora.rows, limits,
-            base_entries=out_entries(base), lora_entries=out_entries(lora))
+            base_entries=out_entries(base), lora_entries=out_entries(lora), policy=policy)
     if streams == "fused" and pair is None:
         raise ValueError("streams='fused' needs both alignments in one launch: one block "
                          f"each (at most {_dispatch.SINGLE_BLOCK_MAX_ROUTES} routes and a "
@@ -488,7 +494,8 @@ def issue_both(mode, pair, base, base_launch, base_ws, lora, lora_launch, lora_w
 
 
 def run_pair(base: Job, lora: Job, device_id: int, framework: str, *, streams=None,
-             variant=None, stream=None, needs_alloc=False, workspaces=None, sides=None):
+             variant=None, stream=None, needs_alloc=False, workspaces=None, sides=None,
+             policy=_dispatch.DEFAULT_POLICY):
     """Launch base and LoRA alignment together, ordered on the caller's stream, with the
     streams' workspaces (or the two given: an AlignPlan's); returns ``(mode, workspaces
     used, side streams or None)``."""
@@ -499,7 +506,7 @@ def run_pair(base: Job, lora: Job, device_id: int, framework: str, *, streams=No
 
     with cupy.cuda.Device(device_id):
         s = caller_stream(framework, device_id, stream)
-        mode, pair = choose_streams(base, lora, device_id, streams, variant)
+        mode, pair = choose_streams(base, lora, device_id, streams, variant, policy)
         sides = (sides or side_streams(device_id)) if mode == "two" else None
         first, second = (sides.first, sides.second) if sides else (s, s)
         ws_b, ws_l = workspaces or (stream_workspace(device_id, second, "base"),
@@ -508,7 +515,8 @@ def run_pair(base: Job, lora: Job, device_id: int, framework: str, *, streams=No
             lb = ll = pair
             cold = not pair_ready(pair, base, lora, ws_b, ws_l, device_id)
         else:
-            lb, ll = plan_launch(base, device_id, variant), plan_launch(lora, device_id, variant)
+            lb = plan_launch(base, device_id, variant, policy)
+            ll = plan_launch(lora, device_id, variant, policy)
             cold = not (_ready(ws_b, lb, base, device_id) and _ready(ws_l, ll, lora, device_id))
         check_capturable(s, needs_alloc or cold, "this call")
         issue_both(mode, pair, base, lb, ws_b, lora, ll, ws_l, s, device_id, sides)

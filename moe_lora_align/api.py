@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple, Optional, Sequence, Tuple, Union
 
 from . import _call
+from ._dispatch import AlignPolicy
 
 try:
     from typing import Literal, Protocol
@@ -54,7 +55,8 @@ def moe_align_block_size(topk_ids: Array, block_size: int, num_experts: int,
                          ignore_invalid_experts: bool = False, return_scatter_idx: bool = False,
                          deterministic: bool = False, out: Optional[Sequence[Array]] = None,
                          variant: Variant = None, stream: Any = None,
-                         validate: Optional[bool] = None
+                         validate: Optional[bool] = None,
+                         policy: Optional[AlignPolicy] = None
                          ) -> Union[Alignment, AlignmentWithScatter]:
     """Group the routes of ``topk_ids`` by expert, padded to tiles of ``block_size``.
 
@@ -80,6 +82,7 @@ def moe_align_block_size(topk_ids: Array, block_size: int, num_experts: int,
             framework stream); default: the current stream of the input's framework.
         validate: check values (``expert_map`` range); default on for host arrays, off for
             device arrays (it costs a device sync).
+        policy: the dispatcher's tuning (``AlignPolicy``); default: the H200-measured one.
 
     Returns:
         ``Alignment(sorted_token_ids, expert_ids, num_tokens_post_pad)`` (or
@@ -91,7 +94,7 @@ def moe_align_block_size(topk_ids: Array, block_size: int, num_experts: int,
                       ignore_invalid_experts=ignore_invalid_experts,
                       pad_sorted_ids=pad_sorted_ids, scatter=return_scatter_idx,
                       deterministic=deterministic, out_base=out, out_lora=None, streams=None,
-                      variant=variant, stream=stream, validate=validate)
+                      variant=variant, stream=stream, validate=validate, policy=policy)
     return AlignmentWithScatter(*res) if len(res) == 4 else Alignment(*res)
 
 
@@ -102,8 +105,8 @@ def moe_lora_align_block_size(topk_ids: Array, token_lora_mapping: Array, block_
                               expert_map: Optional[Array] = None, pad_sorted_ids: bool = False,
                               deterministic: bool = False,
                               out: Optional[Sequence[Array]] = None, variant: Variant = None,
-                              stream: Any = None, validate: Optional[bool] = None
-                              ) -> LoraAlignment:
+                              stream: Any = None, validate: Optional[bool] = None,
+                              policy: Optional[AlignPolicy] = None) -> LoraAlignment:
     """Align the routes of every LoRA adapter slot on its own, one output row per slot.
 
     Row ``L`` is exactly the base alignment of the routes of the tokens with
@@ -123,7 +126,7 @@ def moe_lora_align_block_size(topk_ids: Array, token_lora_mapping: Array, block_
             >=P]`` (or flat ``>= max_loras*P``), ``[max_loras, >=M]``, ``[>= max_loras]``.
             Rows of slots that are not processed are left exactly as they were. Without
             ``out``, such rows read as the empty alignment (0, all -1, all ``numel``).
-        variant, stream, validate, deterministic, pad_sorted_ids: as for
+        variant, stream, validate, deterministic, pad_sorted_ids, policy: as for
             ``moe_align_block_size``; validation also checks ``token_lora_mapping`` and
             ``lora_ids`` values.
 
@@ -135,7 +138,7 @@ def moe_lora_align_block_size(topk_ids: Array, token_lora_mapping: Array, block_
                       expert_map=expert_map, ignore_invalid_experts=False,
                       pad_sorted_ids=pad_sorted_ids, scatter=False,
                       deterministic=deterministic, out_base=None, out_lora=out, streams=None,
-                      variant=variant, stream=stream, validate=validate)
+                      variant=variant, stream=stream, validate=validate, policy=policy)
     return LoraAlignment(*res)
 
 
@@ -147,7 +150,8 @@ def align_moe_and_lora(topk_ids: Array, token_lora_mapping: Array, block_size: i
                        out_base: Optional[Sequence[Array]] = None,
                        out_lora: Optional[Sequence[Array]] = None, streams: Streams = None,
                        variant: Variant = None, stream: Any = None,
-                       validate: Optional[bool] = None) -> Tuple[Alignment, LoraAlignment]:
+                       validate: Optional[bool] = None,
+                       policy: Optional[AlignPolicy] = None) -> Tuple[Alignment, LoraAlignment]:
     """Base and LoRA alignment of one batch at once; returns ``(Alignment, LoraAlignment)``.
 
     The arguments are those of ``moe_align_block_size`` (base: ``expert_map`` with
@@ -168,5 +172,5 @@ def align_moe_and_lora(topk_ids: Array, token_lora_mapping: Array, block_size: i
                              pad_sorted_ids=pad_sorted_ids, scatter=False,
                              deterministic=deterministic, out_base=out_base,
                              out_lora=out_lora, streams=streams, variant=variant,
-                             stream=stream, validate=validate)
+                             stream=stream, validate=validate, policy=policy)
     return Alignment(*base), LoraAlignment(*lora)

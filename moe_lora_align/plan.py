@@ -14,7 +14,7 @@ import numpy as np
 
 from . import _call, _checks, _interop
 from ._call import STREAM_MODES
-from ._dispatch import VARIANTS
+from ._dispatch import DEFAULT_POLICY, VARIANTS, AlignPolicy
 from ._kernels import kernels_for
 from ._launch import (MAP_BEFORE, MAP_NONE, Workspace, checked_launch, device_limits,
                       device_memory, workspace_needs)
@@ -54,6 +54,7 @@ class AlignPlan:
         deterministic, variant: as for the public functions.
         streams: how base and LoRA run (``"fused"``, ``"one"``, ``"two"`` or ``None`` to
             let the dispatcher pick per size); see ``align_moe_and_lora``.
+        policy: the dispatcher's tuning (``AlignPolicy``); default: the H200-measured one.
 
     Calling the plan returns views of its own buffers: the next call overwrites them. Rows of
     LoRA slots that a call does not process read as the empty alignment.
@@ -70,7 +71,8 @@ class AlignPlan:
                  max_loras: Optional[int] = None, dtype: Any = np.int32,
                  device: Optional[int] = None, pad_sorted_ids: bool = False,
                  ignore_invalid_experts: bool = False, deterministic: bool = False,
-                 variant: Variant = None, streams: Streams = None) -> None:
+                 variant: Variant = None, streams: Streams = None,
+                 policy: Optional[AlignPolicy] = None) -> None:
         # Every argument is checked before any device is touched.
         self.max_tokens = _checks.positive_int("max_tokens", max_tokens)
         self.topk = _checks.positive_int("topk", topk)
@@ -91,6 +93,9 @@ class AlignPlan:
         self.deterministic = _checks.flag("deterministic", deterministic)
         self.variant = _checks.option("variant", variant, VARIANTS)
         self.streams = _checks.option("streams", streams, STREAM_MODES)
+        if policy is not None and not isinstance(policy, AlignPolicy):
+            raise TypeError(f"policy must be an AlignPolicy or None, got {type(policy).__name__}")
+        self.policy = policy or DEFAULT_POLICY
         if device is not None:
             device = _checks.integer("device", device, 0, 2**31 - 1)
         rows = self.max_loras or 1
@@ -139,12 +144,12 @@ class AlignPlan:
         P, M = buffer_sizes(numel, self.num_experts, self.block_size, self.pad_sorted_ids)
         E = self.num_experts
         base = checked_launch(numel, E, 1, self.limits, self.deterministic, self.variant,
-                              P + M)
+                              P + M, self.policy)
         self._base_ws.ensure(*workspace_needs(base, E))
         if self.max_loras is not None:
             nb = self.max_loras * E
             lora = checked_launch(numel, nb, self.max_loras, self.limits, self.deterministic,
-                                  self.variant, self.max_loras * (P + M))
+                                  self.variant, self.max_loras * (P + M), self.policy)
             self._lora_ws.ensure(*workspace_needs(lora, nb))
 
     # ---- calls: the public functions' path, with the plan's buffers and workspaces -------
@@ -215,11 +220,11 @@ class AlignPlan:
         with _on_device(self.device_id):
             if len(calls) == 1:
                 launched = _call.launch_calls(calls, None, self.variant, stream,
-                                              workspaces=self._base_ws)
+                                              workspaces=self._base_ws, policy=self.policy)
             else:
                 launched = _call.launch_calls(calls, streams, self.variant, stream,
                                               workspaces=(self._base_ws, self._lora_ws),
-                                              sides=self._sides)
+                                              sides=self._sides, policy=self.policy)
         _call._note_kinds(*inputs)
         found = _call.properties(inputs)
         if found is not None:

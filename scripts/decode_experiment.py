@@ -37,24 +37,27 @@ CASES = [  # op, T, E, K, B, L
 STAGES = ["entry", "rows+fill", "claim", "scan", "stores", "end"]
 
 
+def forced_block(block):
+    """A policy under which align_single (not align_tiny) always takes ``block`` threads."""
+    return _dispatch.AlignPolicy(use_tiny=False, single_block_sizes=(block,),
+                                 one_route_per_thread=0, entries_per_thread=1 << 30,
+                                 buckets_per_thread=1 << 30)
+
+
 def block_sweep(stream):
-    chosen = _dispatch.single_block_threads
     res = {}
-    try:
-        for case in CASES:
-            row = {}
-            numel = case[1] * case[3]
-            for block in (None, 128, 256, 512, 1024):
-                if block is not None and block * _dispatch.ITEMS_PER_THREAD < numel:
-                    continue
-                _dispatch.single_block_threads = (
-                    chosen if block is None else (lambda n, o, nb=0, b=block: b))
-                row[str(block or "auto")] = graph_us(make_call(case, stream), stream)
-            res[str(case)] = row
-            print(f"  {case!s:36s} " + "  ".join(f"{k}={v:6.2f}" for k, v in row.items()),
-                  flush=True)
-    finally:
-        _dispatch.single_block_threads = chosen
+    for case in CASES:
+        row = {}
+        numel = case[1] * case[3]
+        for block in (None, 128, 256, 512, 1024):
+            if block is not None and block * _dispatch.ITEMS_PER_THREAD < numel:
+                continue
+            policy = _dispatch.AlignPolicy(use_tiny=False) if block is None else \
+                forced_block(block)
+            row[str(block or "auto")] = graph_us(make_call(case, stream, policy), stream)
+        res[str(case)] = row
+        print(f"  {case!s:36s} " + "  ".join(f"{k}={v:6.2f}" for k, v in row.items()),
+              flush=True)
     return res
 
 

@@ -118,25 +118,26 @@ def floor_ladder(stream):
     return out
 
 
-def make_call(case, stream):
+def make_call(case, stream, policy=None):
     op, T, E, K, B, L = case
     op, *flags = op.split()
     det = flags == ["det"]
     rng = np.random.default_rng(T * 7 + E)
     ids = cupy.asarray(routing(rng, T, K, E, "uniform"))
     if op == "base":
-        plan = mla.AlignPlan(T, K, E, B, deterministic=det)
+        plan = mla.AlignPlan(T, K, E, B, deterministic=det, policy=policy)
         return lambda: plan(ids, stream=stream)
     mapping, lora_ids, enabled = (cupy.asarray(x) for x in lora_inputs(rng, T, L))
     if op == "pair":  # base and LoRA through a plan (scripts/decode_experiment.py)
-        pair = mla.AlignPlan(T, K, E, B, max_loras=L, deterministic=det)
+        pair = mla.AlignPlan(T, K, E, B, max_loras=L, deterministic=det, policy=policy)
         return lambda: pair(ids, mapping, stream=stream)
     P, M = mla.buffer_sizes(T * K, E, B)
     out = [cupy.full((L, P), T * K, np.int32), cupy.full((L, M), -1, np.int32),
            cupy.zeros(L, np.int32)]
     return lambda: mla.moe_lora_align_block_size(ids, mapping, B, E, L, lora_ids=lora_ids,
                                                  adapter_enabled=enabled, out=out,
-                                                 stream=stream, deterministic=det)
+                                                 stream=stream, deterministic=det,
+                                                 policy=policy)
 
 
 def time_cases(stream, label):

@@ -27,7 +27,7 @@ import cupy
 import numpy as np
 
 import moe_lora_align as mla
-from moe_lora_align import _dispatch, _kernels
+from moe_lora_align import _kernels
 from moe_lora_align.bench import _starts, check_against_numpy, graph_us, lora_inputs, routing
 
 CASES = [  # op, T, E, K, B, L
@@ -44,14 +44,15 @@ CASES = [  # op, T, E, K, B, L
 ]
 
 
-def make_call(case, stream, det=False):
-    """A checked callable of one case through the public paths (plans for base and pair)."""
+def make_call(case, stream, det=False, policy=None):
+    """A checked callable of one case through the public paths (plans for base and pair),
+    dispatched with ``policy`` (an ``AlignPolicy``; None: the default)."""
     op, T, E, K, B, L = case
     rng = np.random.default_rng(T * 7 + E)
     ids = routing(rng, T, K, E, "uniform")
     d_ids = cupy.asarray(ids)
     if op == "base":
-        plan = mla.AlignPlan(T, K, E, B, deterministic=det)
+        plan = mla.AlignPlan(T, K, E, B, deterministic=det, policy=policy)
         fn = lambda: plan(d_ids, stream=stream)  # noqa: E731
         checks = [(lambda r: r, mla.moe_align_block_size(ids, B, E), lambda: _starts(ids, E, B))]
     else:
@@ -60,7 +61,7 @@ def make_call(case, stream, det=False):
         ref_l = mla.moe_lora_align_block_size(ids, mapping, B, E, L, lora_ids=lora_ids)
         lora_check = (lambda r: r, ref_l, lambda: _starts(ids, E, B, L, mapping))
         if op == "pair":
-            plan = mla.AlignPlan(T, K, E, B, max_loras=L, deterministic=det)
+            plan = mla.AlignPlan(T, K, E, B, max_loras=L, deterministic=det, policy=policy)
             fn = lambda: plan(d_ids, dm, lora_ids=dl, stream=stream)  # noqa: E731
             checks = [(lambda r: r[0], mla.moe_align_block_size(ids, B, E),
                        lambda: _starts(ids, E, B)), (lambda r: r[1],) + lora_check[1:]]
@@ -69,7 +70,8 @@ def make_call(case, stream, det=False):
             out = [cupy.full((L, P), T * K, np.int32), cupy.full((L, M), -1, np.int32),
                    cupy.zeros(L, np.int32)]
             fn = lambda: mla.moe_lora_align_block_size(  # noqa: E731
-                d_ids, dm, B, E, L, lora_ids=dl, out=out, stream=stream, deterministic=det)
+                d_ids, dm, B, E, L, lora_ids=dl, out=out, stream=stream, deterministic=det,
+                policy=policy)
             checks = [lora_check]
     with stream:
         res = fn()
@@ -84,13 +86,13 @@ def make_call(case, stream, det=False):
     return fn
 
 
-ONE = {"TINY_ONE_BUCKET_MAX": 1024}
-RUNS = [  # name, dispatcher settings, kernel sources (None: the package's), one bucket a
+ONE = {"tiny_one_bucket_max": 1024}
+RUNS = [  # name, AlignPolicy fields, kernel sources (None: the package's), one bucket a
           # thread only, deterministic
-    ("tiny", {}, None, False, False), ("tiny4", {"TINY_ONE_BUCKET_MAX": 0}, None, False, False),
-    ("single", {"USE_TINY": False}, None, False, False),
-    ("no coop", {"COOP_OVER_SINGLE_ENTRIES": 1 << 30}, None, False, False),
-    ("det", {}, None, False, True), ("det single", {"USE_TINY": False}, None, False, True)]
+    ("tiny", {}, None, False, False), ("tiny4", {"tiny_one_bucket_max": 0}, None, False, False),
+    ("single", {"use_tiny": False}, None, False, False),
+    ("no coop", {"coop_over_single_entries": 1 << 30}, None, False, False),
+    ("det", {}, None, False, True), ("det single", {"use_tiny": False}, None, False, True)]
 
 _KERNEL_DIR = _kernels.kernel_dir
 
@@ -119,7 +121,6 @@ def main():
         runs.append((name, ONE, Path(directory).resolve(), "1" in flags, "det" in flags))
     if args.baseline:
         runs.append(("base tiny", ONE, args.baseline.resolve(), True, False))
-    defaults = {k: getattr(_dispatch, k) for _, s, _, _, _ in runs for k in s}
     print(f"{'case':40s} " + " ".join(f"{n:>10s}" for n, _, _, _, _ in runs)
           + "   (graph us, median of 3 in turn)")
     for case in CASES:
@@ -130,13 +131,10 @@ def main():
                 if one_only and E * (L or 1) > 1024:
                     continue  # kernels with a thread per bucket only
                 use_kernels(directory)
-                for k, v in {**defaults, **settings}.items():
-                    setattr(_dispatch, k, v)
+                policy = mla.AlignPolicy(**settings)
                 times.setdefault(name, []).append(
-                    graph_us(make_call(case, stream, det), stream))
+                    graph_us(make_call(case, stream, det, policy), stream))
         use_kernels(None)
-        for k, v in defaults.items():
-            setattr(_dispatch, k, v)
         med = {n: statistics.median(v) for n, v in times.items()}
         report[str(case)] = {"median_us": med, "all_us": times}
         print(f"{case!s:40s} " + " ".join(f"{med[n]:10.2f}" if n in med else f"{'-':>10s}"

@@ -89,7 +89,7 @@ def test_cooperative_fill_spreads_over_the_sms():
     # LoRA T=4096, 16 slots, E=256, B=64: 32 chunks of routes, 16 rows of sentinels to write
     launch = d.choose_launch(4096 * 8, 16 * 256, 16, H200, out_entries=16 * (48896 + 764))
     assert launch.kind == "cooperative" and launch.chunk == 1024
-    assert launch.grid == -(-16 * (48896 + 764) // d.FILL_PER_BLOCK) > 32
+    assert launch.grid == -(-16 * (48896 + 764) // d.DEFAULT_POLICY.fill_per_block) > 32
     assert d.choose_launch(4096, 256, 1, H200, out_entries=10**9,
                            variant="cooperative").grid == H200.sm_count
 
@@ -126,10 +126,10 @@ def test_pair_fuses_decode_and_declines_prefill():
     (513, 0, 64, 512), (2048, 0, 64, 512), (2049, 0, 64, 1024), (4096, 0, 64, 1024),
     (8, 128 * 64 + 1, 64, 256), (8, 10**6, 64, 1024),
     (8, 0, 512, 128), (8, 0, 1024, 256), (8, 0, 4096, 1024)])
-def test_single_block_size_follows_the_work(numel, entries, buckets, threads, monkeypatch):
+def test_single_block_size_follows_the_work(numel, entries, buckets, threads):
     assert d.single_block_threads(numel, entries, buckets) == threads
-    monkeypatch.setattr(d, "USE_TINY", False)
-    launch = d.choose_launch(numel, buckets, 1, NO_COOP, out_entries=entries)
+    launch = d.choose_launch(numel, buckets, 1, NO_COOP, out_entries=entries,
+                             policy=d.AlignPolicy(use_tiny=False))
     assert launch.kind == "single" and launch.block == threads and not launch.tiny
 
 
@@ -155,13 +155,13 @@ def test_tiny_block_declines_what_one_block_cannot_spread(numel, entries, bucket
     assert not launch.tiny
 
 
-def test_tiny_threshold_of_one_bucket_a_thread(monkeypatch):
-    """Below TINY_ONE_BUCKET_MAX buckets a thread each; above it four (the kernel tells the
+def test_tiny_threshold_of_one_bucket_a_thread():
+    """Below tiny_one_bucket_max buckets a thread each; above it four (the kernel tells the
     two apart by buckets > threads, so the block never covers fewer than a quarter)."""
-    monkeypatch.setattr(d, "TINY_ONE_BUCKET_MAX", 256)
-    assert d.tiny_block_threads(8, 0, 256) == 256
-    assert d.tiny_block_threads(8, 0, 512) == 128
-    assert d.tiny_block_threads(2048, 0, 512) == 512  # the routes want more: one a thread
+    policy = d.AlignPolicy(tiny_one_bucket_max=256)
+    assert d.tiny_block_threads(8, 0, 256, policy) == 256
+    assert d.tiny_block_threads(8, 0, 512, policy) == 128
+    assert d.tiny_block_threads(2048, 0, 512, policy) == 512  # the routes want more
 
 
 def test_tiny_pairs_need_both_sides():
@@ -206,7 +206,7 @@ def test_fill_blocks_join_the_count_kernel():
     launch = d.choose_launch(4096 * 8, 16 * 256, 16, H200, out_entries=16 * (48896 + 764),
                              variant="shared")
     assert launch.kind == "multi" and launch.grid == 32
-    assert launch.count_grid == -(-16 * (48896 + 764) // d.FILL_PER_BLOCK) > launch.grid
+    assert launch.count_grid == -(-16 * (48896 + 764) // d.DEFAULT_POLICY.fill_per_block) > launch.grid
     assert d.choose_launch(65536 * 8, 256, 1, H200, out_entries=10**9,
                            variant="shared").count_grid == H200.sm_count
     det = d.choose_launch(4096 * 8, 16 * 256, 16, H200, out_entries=16 * 48896,
@@ -413,3 +413,28 @@ def test_every_pair_passes_the_launch_guard(rows, det):
                 coop = d.choose_cooperative_pair(numel, experts, rows * experts, rows, H200)
                 if coop is not None:
                     d.check_launch(coop, numel, sides, H200)
+
+
+def test_kernel_constants_match_the_cuda_source():
+    """The constants the dispatcher sizes launches by are those the kernels are built with."""
+    import re
+
+    from moe_lora_align import _kernels
+
+    src = _kernels.source()
+    defined = dict(re.findall(r"^#define (\w+) (\d+)", src, flags=re.M))
+    for name in ("ITEMS_PER_THREAD", "TINY_ITEMS", "TINY_BUCKETS", "COOP_ITEMS",
+                 "MODE_SHARED", "MODE_GLOBAL", "MODE_DETERMINISTIC"):
+        assert int(defined[name]) == getattr(d, name), name
+
+
+def test_policy_is_a_value_the_dispatcher_takes():
+    import dataclasses
+
+    default = d.choose_launch(8, 64, 1, H200)
+    assert default.tiny
+    off = d.choose_launch(8, 64, 1, H200, policy=dataclasses.replace(d.DEFAULT_POLICY,
+                                                                     use_tiny=False))
+    assert off.kind == "single" and not off.tiny
+    assert d.choose_launch(8, 64, 1, H200) == default  # nothing global changed
+    hash(d.DEFAULT_POLICY)  # the launch cache keys on it

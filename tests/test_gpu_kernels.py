@@ -28,7 +28,7 @@ def _case_params(E, T, salt):
 
 
 def _base_case(E, T, variant, deterministic, salt, *, expert_map_mode=None, scatter=False,
-               topk=None):
+               topk=None, policy=None):
     rng, K, B, dtype, kind = _case_params(E, T, salt)
     K = topk or K
     ids = make_routing(rng, T, K, E, dtype, kind)
@@ -50,7 +50,7 @@ def _base_case(E, T, variant, deterministic, salt, *, expert_map_mode=None, scat
                                    None if emap is None else cupy.asarray(emap),
                                    ignore_invalid_experts=ignore, return_scatter_idx=scatter,
                                    deterministic=deterministic, variant=variant,
-                                   out=[v for _, v in dev])
+                                   out=[v for _, v in dev], policy=policy)
     assert got.sorted_token_ids is dev[0][1]
     cupy.cuda.get_current_stream().synchronize()
     starts = segment_starts(ids, E, B, expert_map=emap, map_before=ignore)
@@ -64,7 +64,7 @@ def _base_case(E, T, variant, deterministic, salt, *, expert_map_mode=None, scat
 
 
 def _lora_case(E, T, variant, deterministic, salt, *, max_loras=None, with_ids=True,
-               disabled=1, allocate=False, use_map=False, topk=None):
+               disabled=1, allocate=False, use_map=False, topk=None, policy=None):
     rng, K, B, dtype, kind = _case_params(E, T, salt)
     K = topk or K
     if max_loras is None:
@@ -85,7 +85,7 @@ def _lora_case(E, T, variant, deterministic, salt, *, max_loras=None, with_ids=T
         ref = mla.moe_lora_align_block_size(ids, mapping, B, E, max_loras, **kwargs)
         got = mla.moe_lora_align_block_size(cupy.asarray(ids), cupy.asarray(mapping), B, E,
                                             max_loras, deterministic=deterministic,
-                                            variant=variant, **dev_kwargs)
+                                            variant=variant, policy=policy, **dev_kwargs)
         host_views = [np.asarray(a) for a in ref]
         dev_views = [a.get() for a in got]
         guards = []
@@ -98,7 +98,7 @@ def _lora_case(E, T, variant, deterministic, salt, *, max_loras=None, with_ids=T
                                       **kwargs)
         mla.moe_lora_align_block_size(cupy.asarray(ids), cupy.asarray(mapping), B, E,
                                       max_loras, deterministic=deterministic, variant=variant,
-                                      out=[v for _, v in dev], **dev_kwargs)
+                                      out=[v for _, v in dev], policy=policy, **dev_kwargs)
         host_views = [v for _, v in host]
         dev_views = [v.get() for _, v in dev]
         guards = [w.get() for w, _ in dev]
@@ -151,43 +151,43 @@ SINGLE_GRID = [(E, T) for E in (1, 7, 64, 257, 1024) for T in (0, 1, 3, 255)]
 
 
 @pytest.fixture
-def without_tiny(monkeypatch):
+def without_tiny():
     """The one-block cases through align_single, which align_tiny replaces where it fits."""
-    monkeypatch.setattr(mla._dispatch, "USE_TINY", False)
+    return mla.AlignPolicy(use_tiny=False)
 
 
 @pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
 @pytest.mark.parametrize("variant", [None, "shared"])
 @pytest.mark.parametrize("E,T", SINGLE_GRID)
 def test_base_single_block_without_tiny(E, T, variant, det, without_tiny):
-    _base_case(E, T, variant, det, salt=31)
+    _base_case(E, T, variant, det, salt=31, policy=without_tiny)
 
 
 @pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
 @pytest.mark.parametrize("variant", [None, "shared"])
 @pytest.mark.parametrize("E,T", SINGLE_GRID)
 def test_lora_single_block_without_tiny(E, T, variant, det, without_tiny):
-    _lora_case(E, T, variant, det, salt=32)
+    _lora_case(E, T, variant, det, salt=32, policy=without_tiny)
 
 
 @pytest.fixture
-def tiny_four_buckets(monkeypatch):
+def tiny_four_buckets():
     """align_tiny with four buckets a thread wherever its block has fewer threads than
     buckets (otherwise only above 1024 buckets), and its row-group sentinel fill."""
-    monkeypatch.setattr(mla._dispatch, "TINY_ONE_BUCKET_MAX", 0)
+    return mla.AlignPolicy(tiny_one_bucket_max=0)
 
 
 @pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
 @pytest.mark.parametrize("E,T", SINGLE_GRID + [(256, 16), (256, 255)])
 def test_base_tiny_four_buckets_a_thread(E, T, det, tiny_four_buckets):
-    _base_case(E, T, None, det, salt=33)
+    _base_case(E, T, None, det, salt=33, policy=tiny_four_buckets)
 
 
 @pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
 @pytest.mark.parametrize("rows", [4, 16])
 @pytest.mark.parametrize("E,T", SINGLE_GRID + [(256, 16), (256, 255)])
 def test_lora_tiny_four_buckets_a_thread(E, T, rows, det, tiny_four_buckets):
-    _lora_case(E, T, None, det, salt=34 + det, max_loras=rows)
+    _lora_case(E, T, None, det, salt=34 + det, max_loras=rows, policy=tiny_four_buckets)
 
 
 # Deterministic align_tiny at 1, 2 and 4 routes a lane (its block: 512 threads for these

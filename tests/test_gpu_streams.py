@@ -78,15 +78,15 @@ def test_together_each_variant(T, E, K, B, L, variant, streams):
 
 @pytest.mark.parametrize("T,E,K,B,L", SIZES[:2] + [(3, 7, 2, 1, 16), (64, 1024, 8, 16, 1),
                                        (16, 256, 8, 16, 16)])
-def test_fused_decode_with_and_without_tiny(T, E, K, B, L, monkeypatch):
+def test_fused_decode_with_and_without_tiny(T, E, K, B, L):
     """The fused decode launch as two align_tiny blocks and as two align_single blocks."""
     ids, mapping, lora_ids, enabled = _inputs(T, E, K, L, seed=4)
     for tiny in (True, False):
-        monkeypatch.setattr(mla._dispatch, "USE_TINY", tiny)
         base, lora = mla.align_moe_and_lora(cupy.asarray(ids), cupy.asarray(mapping), B, E, L,
                                             lora_ids=cupy.asarray(lora_ids),
                                             adapter_enabled=cupy.asarray(enabled),
-                                            streams="fused")
+                                            streams="fused",
+                                            policy=mla.AlignPolicy(use_tiny=tiny))
         cupy.cuda.get_current_stream().synchronize()
         _check(base, lora, ids, mapping, lora_ids, enabled, B, E, L)
 
@@ -100,16 +100,17 @@ def test_fused_prefill_has_no_deterministic_mode():
 @pytest.mark.parametrize("tiny", [True, False], ids=["tiny", "single"])
 @pytest.mark.parametrize("T,E,K,B,L", [(255, 64, 8, 16, 4), (1, 64, 8, 16, 4),
                                        (16, 256, 8, 16, 16), (3, 7, 2, 1, 16)])
-def test_together_deterministic_is_exact(T, E, K, B, L, tiny, monkeypatch):
+def test_together_deterministic_is_exact(T, E, K, B, L, tiny):
     """Deterministic base + LoRA, fused (two align_tiny or two align_single blocks), on two
     streams and on one: bit-identical to the NumPy backend."""
-    monkeypatch.setattr(mla._dispatch, "USE_TINY", tiny)
+    policy = mla.AlignPolicy(use_tiny=tiny)
     ids, mapping, lora_ids, enabled = _inputs(T, E, K, L, seed=3)
     for streams in ("fused", "two", "one"):
         base, lora = mla.align_moe_and_lora(cupy.asarray(ids), cupy.asarray(mapping), B, E, L,
                                             lora_ids=cupy.asarray(lora_ids),
                                             adapter_enabled=cupy.asarray(enabled),
-                                            streams=streams, deterministic=True)
+                                            streams=streams, deterministic=True,
+                                            policy=policy)
         rb, rl = _expect(ids, mapping, lora_ids, enabled, B, E, L)
         for a, b in zip(list(base) + list(lora), list(rb) + list(rl)):
             np.testing.assert_array_equal(cupy.asnumpy(a), b)
