@@ -25,8 +25,8 @@ import numpy as np
 import moe_lora_align as mla
 
 ANCHORS = Path(__file__).with_name("data") / "anchors_h200.json"
-BANDWIDTH = 4.3e12          # bytes/s, measured copy bandwidth of the H200 (ANCHORS.md)
-LAUNCH_FLOOR_US = 0.9       # one kernel node in a graph (ANCHORS.md)
+BANDWIDTH = 4.3e12          # bytes/s, measured copy bandwidth of the H200
+LAUNCH_FLOOR_US = 0.9       # µs, one kernel node in a graph on the H200
 GRAPH_CALLS, REPLAYS = 20, 30
 
 

@@ -1,7 +1,7 @@
 """The fuzz harness without a GPU (runs in CI).
 
 Cases drawn by ``fuzz_cases`` run through the harness on the NumPy backend (xp=numpy) and
-must equal an oracle written here from shared/CONTRACT.md alone: plain Python loops over the
+must equal an oracle written here from the contract (docs/contract.md) alone: plain Python loops over the
 routes and the experts, sharing nothing with ``moe_lora_align._reference``. The comparison
 helpers the GPU tests rely on must accept a free-order permutation inside a segment and catch
 everything else, and the generator must cover what the GPU fuzz promises.
@@ -29,7 +29,7 @@ CASES = 300
 SMALL = dict(max_numel=8192, max_buckets=8192, max_entries=2**18)
 
 
-# ---- the oracle (CONTRACT.md) --------------------------------------------------------------
+# ---- the oracle (docs/contract.md) -----------------------------------------------------------
 def oracle_sizes(numel, E, B, pad):
     P = numel + E * (B - 1)
     if pad:

@@ -1,4 +1,4 @@
-"""Host tests of the NumPy backend against the contract (shared/CONTRACT.md).
+"""Host tests of the NumPy backend against the contract (docs/contract.md).
 
 The oracle below is written on purpose with plain Python loops (one pass over the routes, one
 pass over the experts), so that it shares nothing with the vectorised backend it checks.
