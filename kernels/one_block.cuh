@@ -1,0 +1,304 @@
+// One-block kernels (decode sizes): align_single / align_pair, align_tiny / align_tiny_pair.
+// Included by align_kernels.cu, after align_common.cuh and the modes, ITEMS_PER_THREAD,
+// dynamic_smem and for_routes that file defines.
+
+// ---------------------------------------------------------------------------------------------
+// Single block: count, scan, place and fill in one launch (decode sizes).
+// After the row region: starts[nb + 1] ints | DET: warp_counts[nwarps * stride] ushort,
+// stride = nb rounded up to even (4-byte aligned rows).
+// `stamp_as`: the probe's kernel slot for this pass (scripts/decode_experiment.py runs it twice).
+template <typename IdT, bool DET>
+__device__ void align_in_one_block(const Problem& p, int stamp_as = 0) {
+  __shared__ int warp_sums[32];
+  const int nb = num_buckets(p), nwarps = blockDim.x >> 5, stride = (nb + 1) & ~1;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  unsigned char* processed = dynamic_smem;
+  int* starts = reinterpret_cast<int*>(dynamic_smem + row_region_bytes(p.rows));
+  unsigned short* warp_counts = reinterpret_cast<unsigned short*>(starts + nb + 1);
+  MLA_STAMP(stamp_as, 0);
+
+  // Non-deterministic: thread t owns routes t, t + blockDim, ...; deterministic: warp w owns
+  // a contiguous run, so its counters give ranks in flat-index order.
+  const int per_warp = ((p.numel + nwarps - 1) / nwarps + 31) & ~31;
+  const int lo = min(p.numel, warp * per_warp), hi = min(p.numel, lo + per_warp);
+  Route route[ITEMS_PER_THREAD];
+  if (!DET) {
+#pragma unroll
+    for (int j = 0; j < ITEMS_PER_THREAD; ++j)
+      route[j] = load_route<IdT>(p, j * blockDim.x + threadIdx.x, p.numel);
+  }
+  for (int b = threadIdx.x; b < nb; b += blockDim.x) starts[b] = 0;
+  if (DET)
+    for (int k = threadIdx.x; k < nwarps * stride; k += blockDim.x) warp_counts[k] = 0;
+  mark_processed_rows(p, processed);
+  fill_rows(p, processed, p.sorted_ids, p.sorted_pitch, p.padded_len, p.numel, threadIdx.x, blockDim.x);
+  MLA_STAMP(stamp_as, 1);
+
+  if (!DET) {
+    int bucket[ITEMS_PER_THREAD], rank[ITEMS_PER_THREAD];
+#pragma unroll
+    for (int j = 0; j < ITEMS_PER_THREAD; ++j) {
+      const int i = j * blockDim.x + threadIdx.x;
+      bucket[j] = bucket_of(p, route[j], processed);
+      if (p.scatter_idx != nullptr && i < p.numel) p.scatter_idx[i] = bucket[j] >= 0 ? i : -1;
+      rank[j] = claim(starts, bucket[j]);
+    }
+    __syncthreads();
+    MLA_STAMP(stamp_as, 2);
+    scan_padded_counts(p, nb, [&](int b) { return starts[b]; }, starts, warp_sums);
+    MLA_STAMP(stamp_as, 3);
+#pragma unroll
+    for (int j = 0; j < ITEMS_PER_THREAD; ++j)
+      if (bucket[j] >= 0)
+        p.sorted_ids[output_index(p, starts, bucket[j], rank[j])] = j * blockDim.x + threadIdx.x;
+    MLA_STAMP(stamp_as, 4);
+  } else {
+    unsigned short* mine = warp_counts + warp * stride;
+    for_routes<IdT>(p, lo + lane, 32, hi, [&](int i, Route r) {
+      const int b = bucket_of(p, r, processed);
+      if (p.scatter_idx != nullptr && i < hi) p.scatter_idx[i] = b >= 0 ? i : -1;
+      claim(mine, b);  // totals only: order does not matter here
+    });
+    __syncthreads();
+    for (int b = threadIdx.x; b < nb; b += blockDim.x) {
+      int run = 0;
+      for (int w = 0; w < nwarps; ++w) {
+        const int c = warp_counts[w * stride + b];
+        warp_counts[w * stride + b] = (unsigned short)run;
+        run += c;
+      }
+      starts[b] = run;
+    }
+    __syncthreads();
+    scan_padded_counts(p, nb, [&](int b) { return starts[b]; }, starts, warp_sums);
+    for_routes<IdT>(p, lo + lane, 32, hi, [&](int i, Route r) {
+      const int b = bucket_of(p, r, processed);
+      const int rank = claim_in_lane_order(mine, b, bucket_bits(nb));
+      if (b >= 0) p.sorted_ids[output_index(p, starts, b, rank)] = i;
+    });
+  }
+  write_expert_ids(p, processed, starts, threadIdx.x, blockDim.x);
+  write_totals(p, processed, starts);
+#ifdef MLA_PROBE
+  __syncthreads();
+  MLA_STAMP(stamp_as, 5);
+#endif
+}
+
+template <typename IdT, bool DET>
+__global__ void align_single(const Problem p) {
+  align_in_one_block<IdT, DET>(p);
+#ifdef MLA_TWICE
+  // Probe only: the same alignment again in the same block, on warm caches.
+  __syncthreads();
+  align_in_one_block<IdT, DET>(p, 1);
+#endif
+}
+
+// Base and LoRA alignment in one launch: block 0 aligns `first`, block 1 aligns `second`.
+template <typename IdT, bool DET>
+__global__ void align_pair(const Problem first, const Problem second) {
+  align_in_one_block<IdT, DET>(blockIdx.x == 0 ? first : second);
+}
+
+// ---------------------------------------------------------------------------------------------
+// One block with a bucket per thread, or TINY_BUCKETS consecutive buckets per thread when there
+// are more buckets than threads (LoRA with many slots), and up to TINY_ITEMS routes a thread:
+// the single block's work with the fewest instructions on its dependent chain. At decode sizes
+// the time is that chain, one warp's instructions one after another (about five stages of
+// ~1000 cycles in align_single), so this version has no divisions in its loops, a two-barrier
+// scan whose result stays in each bucket's thread, tiles written by their bucket's thread
+// instead of a binary search per tile, and every fill issued before counting.
+// DET: ranks in flat-index order. Warp w owns routes [w * items * 32, (w + 1) * items * 32),
+// items = 1, 2 or 4 routes a lane (the fewest that cover the routes); ranks within the warp
+// come in lane order (claim_in_lane_order into the warp's own counters), and each bucket's
+// thread turns its column of warp counts into a prefix over the warps before the scan.
+// After the row region: starts[nb + 1] ints (counts first, then the padded scan in place) |
+// DET: warp_counts[route_warps * stride] ushort, stride = nb rounded up to even.
+#define TINY_ITEMS 4
+#define TINY_BUCKETS 4
+
+// Deterministic counts of one bucket: its column of the warps' counters (stride apart) becomes
+// the exclusive prefix over the warps, and the total comes back. Loads are issued eight at a
+// time, ahead of the stores, so the column costs a few round trips, not one a warp.
+__device__ __forceinline__ int prefix_over_warps(unsigned short* column, int stride, int warps) {
+  int run = 0;
+#pragma unroll 1
+  for (int w0 = 0; w0 < warps; w0 += 8) {
+    int c[8];
+#pragma unroll
+    for (int u = 0; u < 8; ++u) c[u] = w0 + u < warps ? column[(w0 + u) * stride] : 0;
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      if (w0 + u < warps) column[(w0 + u) * stride] = (unsigned short)run;
+      run += c[u];
+    }
+  }
+  return run;
+}
+
+// PER: buckets a thread, a compile-time count so the one-bucket version carries no loop or
+// guard for the others.
+template <typename IdT, int PER, bool DET>
+__device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
+  __shared__ int warp_sums[32];
+  const int nb = num_buckets(p), E = p.num_experts, tid = threadIdx.x;
+  const int lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
+  const int first = tid * PER;  // buckets [first, first + PER) are this thread's
+  unsigned char* processed = dynamic_smem;
+  int* starts = reinterpret_cast<int*>(dynamic_smem + row_region_bytes(p.rows));
+  // DET: routes a lane (1, 2 or 4, so log2 is items >> 1), warps holding routes, counters.
+  const int bd = blockDim.x;
+  const int items = !DET ? TINY_ITEMS : p.numel <= bd ? 1 : p.numel <= 2 * bd ? 2 : 4;
+  const int route_warps = DET ? (p.numel + (32 << (items >> 1)) - 1) >> (5 + (items >> 1)) : 0;
+  const int stride = (nb + 1) & ~1;
+  unsigned short* warp_counts = reinterpret_cast<unsigned short*>(starts + nb + 1);
+  const auto route_index = [&](int j) {
+    return DET ? (j < items ? (warp * items + j) * 32 + lane : p.numel) : j * bd + tid;
+  };
+  MLA_STAMP(0, 0);
+  Route route[TINY_ITEMS];
+#pragma unroll
+  for (int j = 0; j < TINY_ITEMS; ++j) route[j] = load_route<IdT>(p, route_index(j), p.numel);
+  if (DET) {  // the counts come from the warp counters, which start at zero
+    unsigned* words = reinterpret_cast<unsigned*>(warp_counts);
+#pragma unroll 1
+    for (int k = tid; k < (route_warps * stride) >> 1; k += bd) words[k] = 0;
+  } else {
+#pragma unroll
+    for (int q = 0; q < PER; ++q)
+      if (q * bd + tid < nb) starts[q * bd + tid] = 0;
+  }
+  mark_processed_rows(p, processed);
+  // The sentinel fill of every written row, and -1 in all its tiles: fire-and-forget stores
+  // that drain while the block counts (routes and tile owners overwrite them after the
+  // barriers below, so nothing is left to write past the totals at the end).
+  const int4 sentinel = make_int4(p.numel, p.numel, p.numel, p.numel);
+  const bool vec = ((p.sorted_pitch & 3) == 0) &&
+                   ((reinterpret_cast<unsigned long long>(p.sorted_ids) & 15) == 0);
+  const int units = vec ? (p.padded_len >> 2) : 0;
+  const auto fill_row = [&](int r, int from, int step) {
+    if (!row_written(p, processed, r)) return;
+    int* row = p.sorted_ids + (long long)r * p.sorted_pitch;
+#pragma unroll 1
+    for (int k = from; k < units; k += step) reinterpret_cast<int4*>(row)[k] = sentinel;
+#pragma unroll 1
+    for (int k = 4 * units + from; k < p.padded_len; k += step) row[k] = p.numel;
+  };
+  if (p.rows > 1 && 2 * (vec ? units : p.padded_len) <= (int)blockDim.x) {
+    // Short rows: a group of nwarps / rows warps fills each (one warp a row when rows >=
+    // nwarps); all rows in every thread would leave most threads idle on every row.
+    const int group = p.rows >= nwarps ? 1 : nwarps / p.rows;
+    const int row0 = warp / group;  // a last, incomplete group gets row0 >= rows: it idles
+#pragma unroll 1
+    for (int r = row0; r < p.rows; r += nwarps / group)
+      fill_row(r, tid - row0 * group * 32, 32 * group);
+  } else {
+#pragma unroll 1
+    for (int r = 0; r < p.rows; ++r) fill_row(r, tid, blockDim.x);
+  }
+  // Tiles as one flat range over the rows (few per row).
+#pragma unroll 1
+  for (int k = tid; k < p.rows * p.num_tiles; k += blockDim.x) {
+    const int r = fast_div(k, p.tiles_magic, p.tiles_shift);
+    if (row_written(p, processed, r))
+      p.expert_ids[(long long)r * p.expert_pitch + (k - r * p.num_tiles)] = -1;
+  }
+  MLA_STAMP(0, 1);
+
+  int bucket[TINY_ITEMS], rank[TINY_ITEMS];
+#pragma unroll
+  for (int j = 0; j < TINY_ITEMS; ++j) {
+    const int i = route_index(j);
+    bucket[j] = bucket_of(p, route[j], processed);
+    if (p.scatter_idx != nullptr && i < p.numel) p.scatter_idx[i] = bucket[j] >= 0 ? i : -1;
+    if (!DET) rank[j] = claim(starts, bucket[j]);
+    else if (j < items)
+      rank[j] = claim_in_lane_order(warp_counts + warp * stride, bucket[j], bucket_bits(nb));
+  }
+  __syncthreads();
+  MLA_STAMP(0, 2);
+
+  // Padded exclusive scan, this thread's buckets in this thread: warp scan of the threads'
+  // sums, then every warp scans the warp totals itself (no serial phase of warp 0).
+  int padded[PER], sum = 0;
+#pragma unroll
+  for (int q = 0; q < PER; ++q) {
+    const int b = first + q;
+    const int count = b >= nb ? 0
+                      : DET ? prefix_over_warps(warp_counts + b, stride, route_warps) : starts[b];
+    padded[q] = b < nb ? padded_count(p, count) : 0;
+    sum += padded[q];
+  }
+  int x = sum;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int y = __shfl_up_sync(MLA_FULL_MASK, x, d);
+    if (lane >= d) x += y;
+  }
+  if (lane == 31) warp_sums[warp] = x;
+  __syncthreads();
+  int w = lane < nwarps ? warp_sums[lane] : 0;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int y = __shfl_up_sync(MLA_FULL_MASK, w, d);
+    if (lane >= d) w += y;
+  }
+  const int before = __shfl_sync(MLA_FULL_MASK, w, (warp + 31) & 31);  // warps before this one
+  const int total = __shfl_sync(MLA_FULL_MASK, w, nwarps - 1);
+  int start[PER];
+  start[0] = x - sum + (warp > 0 ? before : 0);
+#pragma unroll
+  for (int q = 1; q < PER; ++q) start[q] = start[q - 1] + padded[q - 1];
+#pragma unroll
+  for (int q = 0; q < PER; ++q)  // each thread overwrites only the counts it read
+    if (first + q < nb) starts[first + q] = start[q];
+  if (tid == 0) starts[nb] = total;
+  __syncthreads();
+  MLA_STAMP(0, 3);
+
+#pragma unroll
+  for (int j = 0; j < TINY_ITEMS; ++j) {
+    if (bucket[j] < 0) continue;
+    const int r = DET ? rank[j] + warp_counts[warp * stride + bucket[j]] : rank[j];
+    p.sorted_ids[output_index(p, starts, bucket[j], r)] = route_index(j);
+  }
+  // Tiles of this thread's buckets (only processed rows have counts).
+#pragma unroll
+  for (int q = 0; q < PER; ++q) {
+    if (padded[q] == 0) continue;
+    const int b = first + q, r = row_of(p, b);
+    int value = b - r * E;
+    if (p.map_mode == 2) value = p.expert_map[value];
+    int* tile = p.expert_ids + (long long)r * p.expert_pitch +
+                fast_div(start[q] - starts[r * E], p.block_magic, p.block_shift);
+    const int n = fast_div(padded[q], p.block_magic, p.block_shift);
+#pragma unroll 1
+    for (int k = 0; k < n; ++k) tile[k] = value;
+  }
+  write_totals(p, processed, starts);
+  MLA_STAMP(0, 4);
+#ifdef MLA_PROBE
+  __syncthreads();
+  MLA_STAMP(0, 5);
+#endif
+}
+
+// The dispatcher keeps nb <= TINY_BUCKETS * blockDim.
+template <typename IdT, bool DET>
+__device__ __forceinline__ void align_tiny_block(const Problem& p) {
+  if (num_buckets(p) > (int)blockDim.x) align_tiny_buckets<IdT, TINY_BUCKETS, DET>(p);
+  else align_tiny_buckets<IdT, 1, DET>(p);
+}
+
+// (1024, 1): with (1024) alone NVRTC 13.0 gave align_tiny<short> 32 registers on sm_80, and spills.
+template <typename IdT, bool DET>
+__global__ void __launch_bounds__(1024, 1) align_tiny(const Problem p) {
+  align_tiny_block<IdT, DET>(p);
+}
+
+// Base and LoRA alignment in one launch of two tiny blocks (block 0: `first`).
+template <typename IdT, bool DET>
+__global__ void __launch_bounds__(1024, 1) align_tiny_pair(const Problem first, const Problem second) {
+  align_tiny_block<IdT, DET>(blockIdx.x == 0 ? first : second);
+}
