@@ -293,6 +293,17 @@ __device__ __forceinline__ int padded_count(const Problem& p, int c) {
   return fast_div(c + p.block_size - 1, p.block_magic, p.block_shift) * p.block_size;
 }
 
+// Inclusive sum over the lanes of a warp: lane l gets the sum of lanes 0..l. Every lane calls it.
+__device__ __forceinline__ int warp_inclusive_sum(int x) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int y = __shfl_up_sync(MLA_FULL_MASK, x, d);
+    if (lane >= d) x += y;
+  }
+  return x;
+}
+
 // Block-wide exclusive scan: out[b] = sum_{b' < b} value(b'), out[n] = total. Each thread
 // scans a contiguous run; `out` may alias what `value` reads (in place on a thread's run).
 template <typename ValueFn>
@@ -303,21 +314,10 @@ __device__ void scan_block(int n, ValueFn value, int* out, int* warp_sums) {
   for (int b = lo; b < hi; ++b) sum += value(b);
   // inclusive scan of the per-thread sums
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  int x = sum;
-  for (int d = 1; d < 32; d <<= 1) {
-    const int y = __shfl_up_sync(MLA_FULL_MASK, x, d);
-    if (lane >= d) x += y;
-  }
+  const int x = warp_inclusive_sum(sum);
   if (lane == 31) warp_sums[warp] = x;
   __syncthreads();
-  if (warp == 0) {
-    int w = lane < nwarps ? warp_sums[lane] : 0;
-    for (int d = 1; d < 32; d <<= 1) {
-      const int y = __shfl_up_sync(MLA_FULL_MASK, w, d);
-      if (lane >= d) w += y;
-    }
-    warp_sums[lane] = w;  // inclusive over warps
-  }
+  if (warp == 0) warp_sums[lane] = warp_inclusive_sum(lane < nwarps ? warp_sums[lane] : 0);
   __syncthreads();
   int run = x - sum + (warp > 0 ? warp_sums[warp - 1] : 0);
   for (int b = lo; b < hi; ++b) {

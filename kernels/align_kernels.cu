@@ -38,6 +38,30 @@ __device__ __forceinline__ void for_routes(const Problem& p, int first, int step
   }
 }
 
+// Warp w's contiguous run [lo, hi) of the routes [c0, c1), in whole warps of 32: the order
+// in which deterministic kernels rank routes (a warp's counters, then the warps in turn).
+struct Span {
+  int lo, hi;
+};
+__device__ __forceinline__ Span warp_span(int c0, int c1, int warp, int nwarps) {
+  const int per_warp = ((c1 - c0 + nwarps - 1) / nwarps + 31) & ~31;
+  const int lo = min(c1, c0 + warp * per_warp);
+  return {lo, min(c1, lo + per_warp)};
+}
+
+// The (chunk of routes, range of buckets) a block of the count or place kernel takes: every
+// bucket of one chunk, or in deterministic mode one bucket range of one chunk.
+struct BlockShare {
+  int chunk, lo_b, hi_b;
+};
+template <int MODE>
+__device__ __forceinline__ BlockShare block_share(const Problem& p, int nb) {
+  if (MODE != MODE_DETERMINISTIC) return {(int)blockIdx.x, 0, nb};
+  const int chunk = blockIdx.x / p.ranges;
+  const int lo_b = (blockIdx.x - chunk * p.ranges) * p.range_width;
+  return {chunk, lo_b, min(nb, lo_b + p.range_width)};
+}
+
 // The kernels, by launch shape.
 #include "one_block.cuh"
 #include "count_place.cuh"

@@ -89,8 +89,8 @@ __device__ __forceinline__ void align_cooperatively(const Problem& p, int block,
   int bucket[COOP_ITEMS], rank[COOP_ITEMS];
   int reserved[COOP_RESERVE];
   // DET: warp w's run of the chunk.
-  const int per_warp = ((c1 - c0 + nwarps - 1) / nwarps + 31) & ~31;
-  const int lo = min(c1, c0 + warp * per_warp), hi = min(c1, lo + per_warp);
+  const Span span = warp_span(c0, c1, warp, nwarps);
+  const int lo = span.lo, hi = span.hi;
   unsigned short* mine = warp_counts + warp * stride;
   if (!DET) {
 #pragma unroll
@@ -182,11 +182,7 @@ __device__ __forceinline__ void align_cooperatively(const Problem& p, int block,
         const int j = j0 + lane;
         const long long at = (long long)j * nb + b;
         const int v = j < blocks ? __ldcg(p.chunk_hist + at) : 0;
-        int x = v;
-        for (int d = 1; d < 32; d <<= 1) {
-          const int y = __shfl_up_sync(MLA_FULL_MASK, x, d);
-          if (lane >= d) x += y;
-        }
+        const int x = warp_inclusive_sum(v);
         if (j < blocks) p.chunk_hist[at] = carry + x - v;
         carry += __shfl_sync(MLA_FULL_MASK, x, 31);
       }

@@ -14,12 +14,8 @@ __global__ void align_count(const Problem p) {
   __shared__ bool is_last;
   const int nb = num_buckets(p);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  int chunk = blockIdx.x, lo_b = 0, hi_b = nb;
-  if (MODE == MODE_DETERMINISTIC) {
-    chunk = blockIdx.x / p.ranges;
-    lo_b = (blockIdx.x - chunk * p.ranges) * p.range_width;
-    hi_b = min(nb, lo_b + p.range_width);
-  }
+  const BlockShare share = block_share<MODE>(p, nb);
+  const int chunk = share.chunk, lo_b = share.lo_b, hi_b = share.hi_b;
   unsigned char* processed = dynamic_smem;
   int* hist = reinterpret_cast<int*>(dynamic_smem + row_region_bytes(p.rows));
   const int hist_len = MODE == MODE_SHARED ? nb : MODE == MODE_DETERMINISTIC ? p.range_width : 0;
@@ -153,12 +149,8 @@ __global__ void align_place(const Problem p) {
   int* starts_copy = reinterpret_cast<int*>(after_rows + head);
   const bool local_starts = p.starts_in_smem != 0;
 
-  int chunk = blockIdx.x, lo_b = 0, hi_b = nb;
-  if (MODE == MODE_DETERMINISTIC) {
-    chunk = blockIdx.x / p.ranges;
-    lo_b = (blockIdx.x - chunk * p.ranges) * p.range_width;
-    hi_b = min(nb, lo_b + p.range_width);
-  }
+  const BlockShare share = block_share<MODE>(p, nb);
+  const int chunk = share.chunk, lo_b = share.lo_b, hi_b = share.hi_b;
   const int c0 = min(p.numel, chunk * p.chunk), c1 = min(p.numel, c0 + p.chunk);
   MLA_STAMP(2, 0);
   Route route[ITEMS_PER_THREAD];
@@ -231,8 +223,8 @@ __global__ void align_place(const Problem p) {
     });
   } else {
     const int width = hi_b - lo_b;
-    const int per_warp = ((c1 - c0 + nwarps - 1) / nwarps + 31) & ~31;
-    const int lo = min(c1, c0 + warp * per_warp), hi = min(c1, lo + per_warp);
+    const Span span = warp_span(c0, c1, warp, nwarps);
+    const int lo = span.lo, hi = span.hi;
     unsigned short* mine = warp_counts + warp * p.range_width;
     auto in_range = [&](Route r) {
       const int b = bucket_of(p, r, processed);

@@ -19,8 +19,8 @@ __device__ void align_in_one_block(const Problem& p, int stamp_as = 0) {
 
   // Non-deterministic: thread t owns routes t, t + blockDim, ...; deterministic: warp w owns
   // a contiguous run, so its counters give ranks in flat-index order.
-  const int per_warp = ((p.numel + nwarps - 1) / nwarps + 31) & ~31;
-  const int lo = min(p.numel, warp * per_warp), hi = min(p.numel, lo + per_warp);
+  const Span span = warp_span(0, p.numel, warp, nwarps);
+  const int lo = span.lo, hi = span.hi;
   Route route[ITEMS_PER_THREAD];
   if (!DET) {
 #pragma unroll
@@ -230,20 +230,10 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
     padded[q] = b < nb ? padded_count(p, count) : 0;
     sum += padded[q];
   }
-  int x = sum;
-#pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    const int y = __shfl_up_sync(MLA_FULL_MASK, x, d);
-    if (lane >= d) x += y;
-  }
+  const int x = warp_inclusive_sum(sum);
   if (lane == 31) warp_sums[warp] = x;
   __syncthreads();
-  int w = lane < nwarps ? warp_sums[lane] : 0;
-#pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    const int y = __shfl_up_sync(MLA_FULL_MASK, w, d);
-    if (lane >= d) w += y;
-  }
+  const int w = warp_inclusive_sum(lane < nwarps ? warp_sums[lane] : 0);
   const int before = __shfl_sync(MLA_FULL_MASK, w, (warp + 31) & 31);  // warps before this one
   const int total = __shfl_sync(MLA_FULL_MASK, w, nwarps - 1);
   int start[PER];
