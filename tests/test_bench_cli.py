@@ -27,3 +27,20 @@ def test_saved_results_print_without_a_gpu(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "2.80" in out and "11.00" in out
     assert (tmp_path / "t.txt").read_text().startswith("op")
+
+
+def test_benchmark_check_accepts_free_order_and_catches_swaps():
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    ids = bench.routing(rng, 64, 8, 64, "uniform")
+    mapping, lora_ids, _ = bench.lora_inputs(rng, 64, 4)
+    ref = mla.moe_lora_align_block_size(ids, mapping, 16, 64, 4, lora_ids=lora_ids)
+    starts = bench._starts(ids, 64, 16, 4, mapping)
+    got = [np.array(x) for x in ref]
+    got[0][0][:2] = got[0][0][:2][::-1]                      # order inside a segment: free
+    bench.check_against_numpy([x.reshape(-1) for x in got], ref, lambda: starts)  # flat too
+    last = int(starts[0][-2])                                 # a route of the last expert
+    got[0][0][0], got[0][0][last] = got[0][0][last], got[0][0][0]
+    with pytest.raises(AssertionError, match="sorted_token_ids"):
+        bench.check_against_numpy(got, ref, lambda: starts)
