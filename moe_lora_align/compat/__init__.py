@@ -1,1 +1,1 @@
-"""Drop-ins with serving engines' raw-op signatures: ``compat.vllm``."""
+"""Drop-ins with serving engines' raw-op signatures: ``compat.vllm``, ``compat.sglang``."""
