@@ -64,3 +64,26 @@ def test_moe_lora_align_block_size_torch(T, K, E, B, L):
         for b in range(blocks):
             np.testing.assert_array_equal(np.sort(s[r, b * B:(b + 1) * B]),
                                           np.sort(out[0][r, b * B:(b + 1) * B]))
+
+
+@pytest.mark.parametrize("pad", [False, True])
+def test_sglang_moe_align_block_size_torch(pad):
+    from moe_lora_align.compat import sglang
+    from test_compat_sglang import sglang_buffers
+
+    T, K, E, B = 300, 8, 64, 16
+    ids = np.random.default_rng(5).integers(0, E + 1, size=(T, K)).astype(np.int32)
+    bufs = [cuda(b) for b in sglang_buffers(T * K, E, B, pad)]
+    if not pad:
+        bufs[0].fill_(T * K)
+    sglang.moe_align_block_size(cuda(ids), E + 1, B, *bufs, pad)
+    torch.cuda.synchronize()
+    ref = mla.moe_align_block_size(ids, B, E + 1, pad_sorted_ids=pad, deterministic=True)
+    P, M = mla.buffer_sizes(T * K, E + 1, B, pad)
+    got = [b.cpu().numpy() for b in bufs]
+    np.testing.assert_array_equal(got[1][:M], ref.expert_ids)
+    np.testing.assert_array_equal(got[2], ref.num_tokens_post_pad)
+    for b in range(M):  # same routes in each tile (order inside a segment is free)
+        np.testing.assert_array_equal(np.sort(got[0][b * B:(b + 1) * B]),
+                                      np.sort(ref.sorted_token_ids[b * B:(b + 1) * B]))
+    assert (got[0][P:] == T * K).all()
