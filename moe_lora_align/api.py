@@ -33,6 +33,17 @@ class Alignment(NamedTuple):
     expert_ids: Array
     num_tokens_post_pad: Array
 
+    def summary(self) -> str:
+        """Routes, tiles, experts and padding, in a line (copies the arrays to the host)."""
+        from . import viz
+
+        return viz.summary(self)
+
+    def _repr_html_(self) -> str:
+        from . import viz
+
+        return viz.html(self)
+
 
 class AlignmentWithScatter(NamedTuple):
     """Base alignment plus ``scatter_idx[numel]`` (``i`` for a kept route ``i``, else -1)."""
@@ -41,12 +52,34 @@ class AlignmentWithScatter(NamedTuple):
     num_tokens_post_pad: Array
     scatter_idx: Array
 
+    def summary(self) -> str:
+        """Routes, tiles, experts and padding, in a line (copies the arrays to the host)."""
+        from . import viz
+
+        return viz.summary(self)
+
+    def _repr_html_(self) -> str:
+        from . import viz
+
+        return viz.html(self)
+
 
 class LoraAlignment(NamedTuple):
     """LoRA alignment: ``[max_loras, P]``, ``[max_loras, M]``, ``[max_loras]``, all int32."""
     sorted_token_ids: Array
     expert_ids: Array
     num_tokens_post_pad: Array
+
+    def summary(self) -> str:
+        """Routes, tiles, experts and padding, in a line (copies the arrays to the host)."""
+        from . import viz
+
+        return viz.summary(self)
+
+    def _repr_html_(self) -> str:
+        from . import viz
+
+        return viz.html(self)
 
 
 # ---- public API ---------------------------------------------------------------------------
