@@ -69,7 +69,8 @@ def _available_memory(where, device_id) -> int:
 def prepare(topk_ids, block_size, num_experts, *, rows, token_lora_mapping=None,
              lora_ids=None, adapter_enabled=None, expert_map=None, map_mode=MAP_NONE,
              pad_sorted_ids=False, scatter=False, deterministic=False, out=None,
-             validate=None, lora=False, out_arg="out", fill_unprocessed=None):
+             validate=None, lora=False, out_arg="out", fill_unprocessed=None,
+             plan_outputs=False):
     """Check one call from its arguments alone and build its job (outputs not allocated)."""
     block_size = _checks.positive_int("block_size", block_size)
     num_experts = _checks.positive_int("num_experts", num_experts)
@@ -88,7 +89,9 @@ def prepare(topk_ids, block_size, num_experts, *, rows, token_lora_mapping=None,
               "lora_ids": lora_ids, "adapter_enabled": adapter_enabled,
               "expert_map": expert_map}
     out_named = {f"{out_arg} {n}": o for n, o in zip(names, outs or ())}
-    where, framework = _interop.classify({**inputs, **out_named})
+    # An AlignPlan's own buffers (CuPy) may serve inputs of another framework.
+    where, framework = _interop.classify({**inputs, **out_named},
+                                         exempt=tuple(out_named) if plan_outputs else ())
     native = {k: _interop.to_native(v, where) for k, v in inputs.items()}
     given = {k: _interop.to_native(v, where) for k, v in out_named.items()}
     device_id = None

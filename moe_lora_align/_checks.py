@@ -73,7 +73,10 @@ def out_buffers(out, names: tuple, arg: str = "out"):
             raise TypeError(f"{arg} {name} is None: pass an int32 array, or {arg}=None to "
                             "have the function allocate every output")
         mod = type(x).__module__.split(".")[0]
-        if mod not in ("numpy", "cupy", "torch", "jax", "jaxlib") or np.isscalar(x):
+        known = mod in ("numpy", "cupy", "torch", "jax", "jaxlib")
+        viewable = hasattr(x, "__cuda_array_interface__") or hasattr(x, "__dlpack__")
+        if not (known or viewable) or np.isscalar(x):
+            # (an object with only __array__ might hand over a copy: the results would be lost)
             raise TypeError(f"{arg} {name} must be an array to write into, got "
                             f"{type(x).__name__}")
         if mod in ("jax", "jaxlib"):

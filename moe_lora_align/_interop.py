@@ -3,7 +3,9 @@
 The framework is read from the type's module name, so no framework is imported just to check.
 Device arrays (CuPy, PyTorch CUDA, JAX GPU) become CuPy views through DLPack (no copy); host
 arrays (NumPy, PyTorch CPU, JAX CPU) become NumPy views. Results go back in the caller's
-framework.
+framework. Objects of other libraries are taken through the array protocols: on the GPU
+``__cuda_array_interface__`` or ``__dlpack__`` (answered as CuPy arrays), on the host
+``__dlpack__`` or ``__array__`` (answered as NumPy arrays).
 """
 
 from __future__ import annotations
@@ -13,15 +15,32 @@ import numpy as np
 HOST, DEVICE = "host", "device"
 
 
+FRAMEWORKS = ("numpy", "cupy", "torch", "jax")
+PROTOCOLS = ("cuda_array_interface", "dlpack", "array")  # objects of other libraries
+_KDL_CUDA = (2, 13)  # DLPack device types of CUDA memory (device, managed)
+
+
 def framework_of(x) -> str:
+    """One of FRAMEWORKS, or of PROTOCOLS for another library's array."""
     mod = type(x).__module__.split(".")[0]
     if mod in ("numpy", "cupy", "torch", "jax", "jaxlib"):
+        if mod in ("jax", "jaxlib") and "Tracer" in type(x).__name__:
+            raise TypeError("moe_lora_align cannot run inside jax.jit (or another JAX "
+                            "transformation): its outputs' sizes and its kernels are chosen "
+                            "from concrete arrays; call it outside jit")
         return "jax" if mod == "jaxlib" else mod
     if isinstance(x, (list, tuple, int)):
         return "numpy"
+    if hasattr(x, "__cuda_array_interface__"):
+        return "cuda_array_interface"
+    if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
+        return "dlpack"
+    if hasattr(x, "__array__"):
+        return "array"
     raise TypeError(
-        f"unsupported array type {type(x).__module__}.{type(x).__name__}: "
-        "expected a NumPy, CuPy, PyTorch or JAX array"
+        f"unsupported array type {type(x).__module__}.{type(x).__name__}: expected a NumPy, "
+        "CuPy, PyTorch or JAX array, or an object with __cuda_array_interface__, __dlpack__ "
+        "or __array__"
     )
 
 
@@ -33,6 +52,12 @@ def placement(x) -> str:
         return DEVICE
     if fw == "torch":
         return DEVICE if x.is_cuda else HOST
+    if fw == "cuda_array_interface":
+        return DEVICE
+    if fw == "dlpack":
+        return DEVICE if int(x.__dlpack_device__()[0]) in _KDL_CUDA else HOST
+    if fw == "array":
+        return HOST
     # JAX
     devices = x.devices() if hasattr(x, "devices") else {x.device()}
     return DEVICE if any(d.platform == "gpu" for d in devices) else HOST
@@ -46,18 +71,26 @@ def to_native(x, where: str):
     if where == HOST:
         if fw == "torch":
             return x.detach().numpy()
+        if fw == "dlpack":
+            return np.from_dlpack(x)
         return np.asarray(x)
     import cupy
 
     if fw == "cupy":
         return x
+    if fw == "cuda_array_interface":
+        return cupy.asarray(x)  # a view: the interface hands over the pointer
     return cupy.from_dlpack(x)
 
 
-def classify(named_arrays: dict):
-    """Return ``(where, framework)`` for the given arrays, raising on a host/device mix."""
+def classify(named_arrays: dict, exempt=()):
+    """Return ``(where, framework)`` for the given arrays (the framework the answer comes
+    back in), raising on a host/device mix and on arrays of two frameworks in one call
+    (plain Python data and other libraries' protocol arrays aside; names in ``exempt`` are
+    not compared: an AlignPlan's own buffers)."""
     where = framework = None
     first = None
+    known = {}
     for name, x in named_arrays.items():
         if x is None:
             continue
@@ -65,13 +98,22 @@ def classify(named_arrays: dict):
             w = placement(x)
         except TypeError as e:
             raise TypeError(f"{name}: {e}") from None
+        fw = framework_of(x)
         if where is None:
-            where, framework, first = w, framework_of(x), name
+            where, framework, first = w, fw, name
         elif w != where:
             raise ValueError(
                 f"{name} is a {w} array but {first} is a {where} array: "
                 "pass all arrays on the host or all on the same GPU"
             )
+        if fw in FRAMEWORKS and name not in exempt and not isinstance(x, (list, tuple, int)):
+            for other, ofw in known.items():
+                if ofw != fw:
+                    raise ValueError(f"{name} is a {fw} array but {other} is a {ofw} array: "
+                                     "pass the arrays of one call from one framework")
+            known.setdefault(name, fw)
+    if framework in PROTOCOLS:
+        framework = "cupy" if where == DEVICE else "numpy"
     return where or HOST, framework or "numpy"
 
 
