@@ -33,17 +33,6 @@ class Alignment(NamedTuple):
     expert_ids: Array
     num_tokens_post_pad: Array
 
-    def summary(self) -> str:
-        """Routes, tiles, experts and padding, in a line (copies the arrays to the host)."""
-        from . import viz
-
-        return viz.summary(self)
-
-    def _repr_html_(self) -> str:
-        from . import viz
-
-        return viz.html(self)
-
 
 class AlignmentWithScatter(NamedTuple):
     """Base alignment plus ``scatter_idx[numel]`` (``i`` for a kept route ``i``, else -1)."""
@@ -52,17 +41,6 @@ class AlignmentWithScatter(NamedTuple):
     num_tokens_post_pad: Array
     scatter_idx: Array
 
-    def summary(self) -> str:
-        """Routes, tiles, experts and padding, in a line (copies the arrays to the host)."""
-        from . import viz
-
-        return viz.summary(self)
-
-    def _repr_html_(self) -> str:
-        from . import viz
-
-        return viz.html(self)
-
 
 class LoraAlignment(NamedTuple):
     """LoRA alignment: ``[max_loras, P]``, ``[max_loras, M]``, ``[max_loras]``, all int32."""
@@ -70,16 +48,24 @@ class LoraAlignment(NamedTuple):
     expert_ids: Array
     num_tokens_post_pad: Array
 
-    def summary(self) -> str:
-        """Routes, tiles, experts and padding, in a line (copies the arrays to the host)."""
-        from . import viz
 
-        return viz.summary(self)
+def _summary(self) -> str:
+    """Routes, tiles, experts and padding, in a line (copies the arrays to the host)."""
+    from . import viz
 
-    def _repr_html_(self) -> str:
-        from . import viz
+    return viz.summary(self)
 
-        return viz.html(self)
+
+def _repr_html(self) -> str:
+    from . import viz
+
+    return viz.html(self)
+
+
+# Every result type prints its own summary and shows as a table in notebooks.
+for _result in (Alignment, AlignmentWithScatter, LoraAlignment):
+    _result.summary = _summary
+    _result._repr_html_ = _repr_html
 
 
 # ---- public API ---------------------------------------------------------------------------
