@@ -4,7 +4,8 @@
 #   tests      the GPU test suite (the CUDA compile tests are CI's: skipped here)
 #   fuzz       scripts/fuzz.py long mode (FUZZ_CASES, default 10000; FUZZ_SEED)
 #   memcheck racecheck synccheck initcheck
-#              compute-sanitizer over the GPU tests (SAN_K selects) and the fuzz quick mode
+#              compute-sanitizer over the GPU tests (SAN_FILES and SAN_K select; racecheck over
+#              all of them takes longer than one call: split it by SAN_FILES)
 #   bench      the benchmark, quick grid;  benchfull  the full grid
 # Old spellings: quick = tests memcheck racecheck bench; full = the same with benchfull.
 set -u
@@ -28,13 +29,14 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
 
 GPU_TESTS="tests/test_gpu_kernels.py tests/test_gpu_streams.py tests/test_gpu_sizes.py
   tests/test_gpu_limits.py tests/test_gpu_hostile.py tests/test_gpu_determinism.py
-  tests/test_gpu_threads.py tests/test_gpu_fuzz.py"
+  tests/test_gpu_threads.py tests/test_gpu_prepared.py tests/test_gpu_compat.py
+  tests/test_gpu_torch_ops.py tests/test_gpu_fuzz.py"
 SAN_K=${SAN_K:-"not 65536 and not 8192-4096 and not many_buckets and not slow and not huge and not largest and not 16384"}
 sanitize() {  # tool, extra options, test selection
   local tool=$1; shift
   step "$tool"
   FUZZ_CASES=${SAN_FUZZ_CASES:-150} timeout ${SAN_S:-280} compute-sanitizer --tool "$tool" "$@" \
-    --error-exitcode 9 --print-limit 20 python3 -m pytest $GPU_TESTS -q -x -p no:cacheprovider \
+    --error-exitcode 9 --print-limit 20 python3 -m pytest ${SAN_FILES:-$GPU_TESTS} -q -x -p no:cacheprovider \
     -k "$SAN_K and not threads and not scratch_bytes" 2>&1 | tee "$OUT/$tool.log" | tail -6
   echo "$tool rc=${PIPESTATUS[0]}"
 }
