@@ -212,26 +212,22 @@ def _host(x):
     return x if isinstance(x, np.ndarray) else x.get()
 
 
-def check_expert_map_values(expert_map, num_experts: int):
-    m = _host(expert_map)
-    bad = (m < -1) | (m >= num_experts)
+def _check_range(name: str, values, top: int, what: str):
+    """Every entry of ``values`` in ``[-1, top)``, else a ValueError naming the first bad one."""
+    m = _host(values)
+    bad = (m < -1) | (m >= top)
     if bad.any():
         j = int(np.flatnonzero(bad)[0])
-        raise ValueError(
-            f"expert_map entries must be -1 or a local id in [0, {num_experts}); "
-            f"expert_map[{j}] = {int(m[j])}"
-        )
+        raise ValueError(f"{name} entries must be {what}; {name}[{j}] = {int(m[j])}")
+
+
+def check_expert_map_values(expert_map, num_experts: int):
+    _check_range("expert_map", expert_map, num_experts,
+                 f"-1 or a local id in [0, {num_experts})")
 
 
 def check_token_lora_mapping_values(mapping, max_loras: int):
-    m = _host(mapping)
-    bad = (m < -1) | (m >= max_loras)
-    if bad.any():
-        j = int(np.flatnonzero(bad)[0])
-        raise ValueError(
-            f"token_lora_mapping entries must be in [-1, {max_loras}); "
-            f"token_lora_mapping[{j}] = {int(m[j])}"
-        )
+    _check_range("token_lora_mapping", mapping, max_loras, f"in [-1, {max_loras})")
 
 
 def check_lora_ids_values(lora_ids, max_loras: int):
