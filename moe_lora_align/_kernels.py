@@ -8,9 +8,11 @@ covers every line that is compiled.
 from __future__ import annotations
 
 import functools
-import threading
 import re
+import threading
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional, Tuple
 
 import numpy as np
 
@@ -43,10 +45,43 @@ def kernel_dir() -> Path:
     )
 
 
+COMPILE_OPTIONS = ("-std=c++17",)
+
+
+@dataclass(frozen=True)
+class KernelBuild:
+    """What the kernels are compiled from: the sources (None: the package's) and the NVRTC
+    options. Experiments (other sources, ``-DMLA_PROBE``) make their own and hand it to
+    ``use_build``; nothing else changes this module's state."""
+    source_dir: Optional[Path] = None
+    options: Tuple[str, ...] = COMPILE_OPTIONS
+
+
+_build = KernelBuild()
+
+
+def current_build() -> KernelBuild:
+    return _build
+
+
+def use_build(build: KernelBuild) -> None:
+    """Compile and load the kernels from ``build`` from now on (the loaded ones are dropped)."""
+    global _build
+    with _load_lock:
+        _build = build
+        _loaded.clear()
+        source.cache_clear()
+
+
+def loaded_sets():
+    """The kernel sets loaded so far (scripts read their modules and attributes)."""
+    return list(_loaded.values())
+
+
 @functools.lru_cache(maxsize=None)
 def source() -> str:
     """The kernels' source with local ``#include "..."`` lines inlined (once each)."""
-    root = kernel_dir()
+    root = _build.source_dir or kernel_dir()
     seen = set()
 
     def expand(name: str) -> str:
@@ -77,9 +112,6 @@ def kernel_names(dtype) -> dict:
     return names
 
 
-COMPILE_OPTIONS = ("-std=c++17",)
-
-
 class KernelSet:
     """The compiled kernels of one dtype on one device, shared-memory attributes set once."""
 
@@ -88,7 +120,7 @@ class KernelSet:
 
         self.names = kernel_names(dtype)
         with cupy.cuda.Device(device_id):
-            module = cupy.RawModule(code=source(), options=COMPILE_OPTIONS,
+            module = cupy.RawModule(code=source(), options=_build.options,
                                     name_expressions=list(self.names.values()))
             self.module = module  # kept for scripts/stage_probe.py (its probe buffer)
             self.kernels = {}

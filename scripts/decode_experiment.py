@@ -62,7 +62,7 @@ def block_sweep(stream):
 
 
 def twice(stream):
-    base_opts = _kernels.COMPILE_OPTIONS
+    base_opts = _kernels.current_build().options
     reload_kernels(base_opts + ("-DMLA_PROBE", "-DMLA_TWICE"))
     out = {}
     try:

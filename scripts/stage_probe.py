@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import io
 import json
 import pstats
@@ -150,12 +151,11 @@ def time_cases(stream, label):
 
 
 def reload_kernels(options):
-    _kernels.COMPILE_OPTIONS = options
-    _kernels._loaded.clear()
+    _kernels.use_build(dataclasses.replace(_kernels.current_build(), options=tuple(options)))
 
 
 def probe_buffer():
-    ks = next(iter(_kernels._loaded.values()))
+    ks = _kernels.loaded_sets()[0]
     ptr = ks.module.get_global("mla_probe")
     return cupy.ndarray((SLOTS, 160, 8, 2), np.uint64, ptr)
 
@@ -239,14 +239,14 @@ def main():
     CASES[:] = [c for c in CASES if c[1] >= args.min_tokens and args.only in str(c)]
     stream = cupy.cuda.Stream(non_blocking=True)
     report = {"graph_calls": GRAPH_CALLS}
-    base_opts = _kernels.COMPILE_OPTIONS
+    base_opts = _kernels.current_build().options
     if not args.stamps_only:
         print("== floor ladder (graph us per call)")
         report["floor"] = floor_ladder(stream)
         print("== kernels as built")
         report["built"] = time_cases(stream, "built")
         print("== carveout 100 %")
-        for ks in _kernels._loaded.values():
+        for ks in _kernels.loaded_sets():
             for k in ks.kernels.values():
                 k.preferred_shared_memory_carveout = 100
         report["carveout100"] = time_cases(stream, "carve100")

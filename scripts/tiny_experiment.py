@@ -94,14 +94,9 @@ RUNS = [  # name, AlignPolicy fields, kernel sources (None: the package's), one 
     ("no coop", {"coop_over_single_entries": 1 << 30}, None, False, False),
     ("det", {}, None, False, True), ("det single", {"use_tiny": False}, None, False, True)]
 
-_KERNEL_DIR = _kernels.kernel_dir
-
-
 def use_kernels(directory):
     """Compile and load the kernels from ``directory`` (None: the package's own)."""
-    _kernels.kernel_dir = _KERNEL_DIR if directory is None else (lambda: directory)
-    _kernels.source.cache_clear()
-    _kernels._loaded.clear()
+    _kernels.use_build(_kernels.KernelBuild(source_dir=directory))
 
 
 def main():

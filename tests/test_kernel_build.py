@@ -1,0 +1,22 @@
+"""Kernel builds are values: an experiment compiles other sources or options through
+``_kernels.use_build`` and gets the package's build back the same way (no GPU needed)."""
+
+import shutil
+
+from moe_lora_align import _kernels
+
+
+def test_use_build_switches_sources_and_back(tmp_path):
+    default = _kernels.current_build()
+    assert default == _kernels.KernelBuild()
+    copy = tmp_path / "kernels"
+    shutil.copytree(_kernels.kernel_dir(), copy)
+    (copy / "align_kernels.cu").write_text("// an experiment\n" +
+                                          (copy / "align_kernels.cu").read_text())
+    try:
+        _kernels.use_build(_kernels.KernelBuild(source_dir=copy, options=("-DMLA_PROBE",)))
+        assert _kernels.source().startswith("// an experiment")
+        assert _kernels.current_build().options == ("-DMLA_PROBE",)
+    finally:
+        _kernels.use_build(default)
+    assert not _kernels.source().startswith("// an experiment")
