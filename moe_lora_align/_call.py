@@ -18,7 +18,7 @@ import numpy as np
 
 from . import _checks, _interop
 from ._dispatch import DEFAULT_POLICY, VARIANTS, AlignPolicy
-from ._launch import MAP_AFTER, MAP_BEFORE, MAP_NONE, POINTERS, Job
+from ._launch import MAP_AFTER, MAP_BEFORE, MAP_NONE, POINTERS, Job, replay_launches
 from ._reference import align_rows, processed_rows
 from ._sizes import MAX_BUCKETS, buffer_sizes
 
@@ -381,8 +381,6 @@ class Prepared:
         return _fast["is_capturing"](stream_ptr) != 0
 
     def _launch(self, stream_ptr):
-        from ._launch import replay_launches
-
         if self.mode != "two":
             replay_launches(self.launches, stream_ptr)
         else:
@@ -514,12 +512,12 @@ def launch_calls(calls, streams=None, variant=None, stream=None, workspaces=None
     return list(recorded), mode, used, side
 
 
-def align(op, topk_ids, token_lora_mapping, block_size, num_experts, max_loras, *, lora_ids,
+def align(op, topk_ids, token_lora_mapping, block_size, num_experts, max_loras, lora_ids,
           adapter_enabled, expert_map, ignore_invalid_experts, pad_sorted_ids, scatter,
-          deterministic, out_base, out_lora, streams, variant, stream, validate,
-          policy=None):
+          deterministic, out_base, out_lora, streams, variant, stream, validate, policy):
     """Every public function's call: ``op`` is "base", "lora" or "pair". Returns the tuple
-    of outputs of each alignment (the base one, the LoRA one, or both)."""
+    of outputs of each alignment (the base one, the LoRA one, or both). The arguments come
+    positionally (cheaper than by keyword on the prepared path)."""
     outs = ((out_base if op != "lora" else None), (out_lora if op != "base" else None))
     inputs = (topk_ids, token_lora_mapping if op != "base" else None,
               lora_ids if op != "base" else None, adapter_enabled if op != "base" else None,

@@ -108,12 +108,11 @@ def moe_align_block_size(topk_ids: Array, block_size: int, num_experts: int,
         ``AlignmentWithScatter`` with ``scatter_idx``), arrays of the input's framework. On the
         GPU the call only enqueues work on the stream; the host never blocks.
     """
-    res = _call.align("base", topk_ids, None, block_size, num_experts, None, lora_ids=None,
-                      adapter_enabled=None, expert_map=expert_map,
-                      ignore_invalid_experts=ignore_invalid_experts,
-                      pad_sorted_ids=pad_sorted_ids, scatter=return_scatter_idx,
-                      deterministic=deterministic, out_base=out, out_lora=None, streams=None,
-                      variant=variant, stream=stream, validate=validate, policy=policy)
+    # (op, topk_ids, mapping, B, E, max_loras, lora_ids, enabled, expert_map, ignore, pad,
+    #  scatter, deterministic, out_base, out_lora, streams, variant, stream, validate, policy)
+    res = _call.align("base", topk_ids, None, block_size, num_experts, None, None, None,
+                      expert_map, ignore_invalid_experts, pad_sorted_ids, return_scatter_idx,
+                      deterministic, out, None, None, variant, stream, validate, policy)
     return AlignmentWithScatter(*res) if len(res) == 4 else Alignment(*res)
 
 
@@ -153,11 +152,8 @@ def moe_lora_align_block_size(topk_ids: Array, token_lora_mapping: Array, block_
         ``LoraAlignment(sorted_token_ids, expert_ids, num_tokens_post_pad)``.
     """
     res = _call.align("lora", topk_ids, token_lora_mapping, block_size, num_experts,
-                      max_loras, lora_ids=lora_ids, adapter_enabled=adapter_enabled,
-                      expert_map=expert_map, ignore_invalid_experts=False,
-                      pad_sorted_ids=pad_sorted_ids, scatter=False,
-                      deterministic=deterministic, out_base=None, out_lora=out, streams=None,
-                      variant=variant, stream=stream, validate=validate, policy=policy)
+                      max_loras, lora_ids, adapter_enabled, expert_map, False, pad_sorted_ids,
+                      False, deterministic, None, out, None, variant, stream, validate, policy)
     return LoraAlignment(*res)
 
 
@@ -185,11 +181,7 @@ def align_moe_and_lora(topk_ids: Array, token_lora_mapping: Array, block_size: i
     the host both simply run.
     """
     base, lora = _call.align("pair", topk_ids, token_lora_mapping, block_size, num_experts,
-                             max_loras, lora_ids=lora_ids, adapter_enabled=adapter_enabled,
-                             expert_map=expert_map,
-                             ignore_invalid_experts=ignore_invalid_experts,
-                             pad_sorted_ids=pad_sorted_ids, scatter=False,
-                             deterministic=deterministic, out_base=out_base,
-                             out_lora=out_lora, streams=streams, variant=variant,
-                             stream=stream, validate=validate, policy=policy)
+                             max_loras, lora_ids, adapter_enabled, expert_map,
+                             ignore_invalid_experts, pad_sorted_ids, False, deterministic,
+                             out_base, out_lora, streams, variant, stream, validate, policy)
     return Alignment(*base), LoraAlignment(*lora)

@@ -90,7 +90,7 @@ def _prepared(calls, monkeypatch):
         ptrs[1:4] = [calls[-1].job.token_slot.data.ptr, calls[-1].job.lora_ids.data.ptr,
                      calls[-1].job.adapter_enabled.data.ptr]
     launched = []
-    monkeypatch.setattr(_launch, "replay_launches", lambda launches, st: launched.append(st))
+    monkeypatch.setattr(_call, "replay_launches", lambda launches, st: launched.append(st))
     prep = _call.build_prepared(calls, (recorded, None, [], None), ptrs, "cupy", 7)
     return prep, launched
 
@@ -183,3 +183,33 @@ def test_host_calls_are_never_prepared():
     before = dict(_call._caches)
     mla.moe_align_block_size(ids, 4, 4)
     assert _call._caches == before
+
+
+def test_public_call_takes_the_prepared_path_end_to_end(monkeypatch):
+    """A public call whose arrays have the properties of a prepared call goes through it:
+    pointers rewritten in the packed arguments, the recorded launches replayed on the
+    caller's stream, the caller's out= arrays returned (fake CuPy arrays, no driver)."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(_call, "_fast", {"get_device": lambda: 0,
+                                         "current_stream": lambda: SimpleNamespace(ptr=7)})
+    call = _call_of(_job(0x1000))
+    prep, launched = _prepared([call], monkeypatch)
+    ids = FakeCupy(0x1000, (8, 1))
+    out = (FakeCupy(0x2000, (20,)), FakeCupy(0x3000, (5,)), FakeCupy(0x4000, (1,)))
+    opts = ("base", 4, 4, None, False, False, False, False, None, None, None)
+    key, *_ = _call._fast_key(opts, (ids, None, None, None, None), (out, None), None)
+    monkeypatch.setitem(_call._caches, 0, {key: prep})
+    prep.spans = ([32, 0, 0, 0, 0, 80, 20, 4], [False] * 5 + [True] * 3,
+                  ["topk_ids", "token_lora_mapping", "lora_ids", "adapter_enabled",
+                   "expert_map", "sorted", "experts", "total"])
+    new_ids = FakeCupy(0x9000, (8, 1))
+    new_out = (FakeCupy(0xa000, (20,)), FakeCupy(0xb000, (5,)), FakeCupy(0xc000, (1,)))
+    res = mla.moe_align_block_size(new_ids, 4, 4, out=new_out)
+    assert tuple(res) == new_out
+    assert _fields(call.job) == [0x9000, 0, 0, 0, 0, 0xa000, 0xb000, 0xc000, 0]
+    assert launched == [7]
+    # A property that differs (the block size) misses the prepared call: the full path,
+    # which refuses these fake arrays.
+    with pytest.raises(TypeError):
+        mla.moe_align_block_size(new_ids, 8, 4, out=new_out)
