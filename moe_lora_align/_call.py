@@ -344,14 +344,7 @@ class Prepared:
         """Every out= buffer's written bytes apart from every other array's bytes (the
         properties are those of the checked call; the addresses may not be)."""
         sizes, written, names = self.spans
-        for i, (lo, size) in enumerate(zip(ptrs, sizes)):
-            if not written[i] or not size:
-                continue
-            for j, (olo, osize) in enumerate(zip(ptrs, sizes)):
-                if j != i and osize and lo < olo + osize and olo < lo + size:
-                    raise ValueError(f"{names[i]} and {names[j]} overlap in memory: every "
-                                     "output buffer needs memory of its own, apart from the "
-                                     "inputs")
+        _checks.check_spans(names, ptrs, sizes, written)
         self.checked = list(ptrs)
 
     def _allocate(self, stream_ptr):

@@ -187,24 +187,35 @@ def byte_extent(x, entries=None):
     return lo, hi + x.itemsize
 
 
+def check_spans(names, starts, sizes, written) -> None:
+    """Byte spans ``[starts[i], starts[i] + sizes[i])``: refuse one that is ``written`` and
+    overlaps any other, naming both. (A prepared call runs this on new addresses alone.)"""
+    for i, (lo, size) in enumerate(zip(starts, sizes)):
+        if not written[i] or not size:
+            continue
+        for j, (olo, osize) in enumerate(zip(starts, sizes)):
+            if j != i and osize and lo < olo + osize and olo < lo + size:
+                raise ValueError(f"{names[i]} and {names[j]} overlap in memory: every output "
+                                 "buffer needs memory of its own, apart from the inputs")
+
+
 def check_disjoint(outputs: dict, inputs: dict) -> None:
     """``outputs``: name -> (array, entries written); ``inputs``: name -> array or None.
     Refuse an output that overlaps another output or an input, naming both."""
-    spans = []
-    for name, (x, entries) in outputs.items():
-        ext = byte_extent(x, entries)
-        if ext is not None:
-            spans.append((name, ext, True))
-    for name, x in inputs.items():
-        if x is not None:
-            ext = byte_extent(x)
+    names, starts, sizes, written = [], [], [], []
+    for named, is_output in ((outputs, True), (inputs, False)):
+        for name, x in named.items():
+            ext = None
+            if is_output:
+                ext = byte_extent(*x)
+            elif x is not None:
+                ext = byte_extent(x)
             if ext is not None:
-                spans.append((name, ext, False))
-    for i, (name, (lo, hi), written) in enumerate(spans):
-        for other, (olo, ohi), other_written in spans[i + 1:]:
-            if (written or other_written) and lo < ohi and olo < hi:
-                raise ValueError(f"{name} and {other} overlap in memory: every output "
-                                 "buffer needs memory of its own, apart from the inputs")
+                names.append(name)
+                starts.append(ext[0])
+                sizes.append(ext[1] - ext[0])
+                written.append(is_output)
+    check_spans(names, starts, sizes, written)
 
 
 # ---- value checks -------------------------------------------------------------------------

@@ -90,7 +90,7 @@ def classify(named_arrays: dict, exempt=()):
     not compared: an AlignPlan's own buffers)."""
     where = framework = None
     first = None
-    known = {}
+    first_known = None  # (name, framework) of the first array of a named framework
     for name, x in named_arrays.items():
         if x is None:
             continue
@@ -107,11 +107,12 @@ def classify(named_arrays: dict, exempt=()):
                 "pass all arrays on the host or all on the same GPU"
             )
         if fw in FRAMEWORKS and name not in exempt and not isinstance(x, (list, tuple, int)):
-            for other, ofw in known.items():
-                if ofw != fw:
-                    raise ValueError(f"{name} is a {fw} array but {other} is a {ofw} array: "
-                                     "pass the arrays of one call from one framework")
-            known.setdefault(name, fw)
+            if first_known is None:
+                first_known = (name, fw)
+            elif fw != first_known[1]:
+                raise ValueError(f"{name} is a {fw} array but {first_known[0]} is a "
+                                 f"{first_known[1]} array: pass the arrays of one call from "
+                                 "one framework")
     if framework in PROTOCOLS:
         framework = "cupy" if where == DEVICE else "numpy"
     return where or HOST, framework or "numpy"

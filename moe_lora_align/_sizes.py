@@ -22,12 +22,18 @@ def buffer_sizes(numel: int, num_experts: int, block_size: int,
     numel = integer("numel", numel, 0, INT32_MAX)
     num_experts = integer("num_experts", num_experts, 1, INT32_MAX)
     block_size = integer("block_size", block_size, 1, INT32_MAX)
+    return padded_sizes(numel, num_experts, block_size, pad_sorted_ids)
+
+
+def padded_sizes(numel, num_experts: int, block_size: int, pad_sorted_ids: bool, minimum=min):
+    """``buffer_sizes`` without the argument checks, for a ``numel`` that may be symbolic
+    (``minimum``: ``torch.sym_min`` under ``torch.compile``). ``min(numel*B, P)`` applies at
+    every size: it is ``P`` itself whenever ``numel >= E`` (also rounded up to ``B``)."""
     padded = numel + num_experts * (block_size - 1)
     if pad_sorted_ids:
-        padded = -(-padded // block_size) * block_size
-    if numel < num_experts:
-        padded = min(numel * block_size, padded)
-    return padded, -(-padded // block_size)
+        padded = (padded + block_size - 1) // block_size * block_size
+    padded = minimum(numel * block_size, padded)
+    return padded, (padded + block_size - 1) // block_size
 
 
 def check_index_range(name: str, count: int) -> None:

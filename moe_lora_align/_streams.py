@@ -27,12 +27,12 @@ class SideStreams:
     def run(self, caller, first_work, second_work):
         """Run ``first_work(stream)`` and ``second_work(stream)`` concurrently after all work
         already queued on ``caller``; work queued on ``caller`` afterwards sees both done."""
-        with self.lock:
-            self._run(caller, first_work, second_work)
+        self.run_raw(caller.ptr, lambda _: first_work(self.first),
+                     lambda _: second_work(self.second))
 
     def run_raw(self, caller_ptr: int, first_work, second_work):
-        """``run`` for a prepared call's replay: the caller's stream and the streams given to
-        the work are raw pointers."""
+        """``run`` with raw stream pointers (a prepared call's replay): the caller's stream,
+        and the side stream each work is given."""
         from cupy.cuda import runtime
 
         with self.lock:
@@ -43,24 +43,11 @@ class SideStreams:
                 first_work(self.first.ptr)
                 second_work(self.second.ptr)
             finally:
+                # Join even on error: a fork without a join would invalidate a graph capture.
                 runtime.eventRecord(self.first_done.ptr, self.first.ptr)
                 runtime.eventRecord(self.second_done.ptr, self.second.ptr)
                 runtime.streamWaitEvent(caller_ptr, self.first_done.ptr)
                 runtime.streamWaitEvent(caller_ptr, self.second_done.ptr)
-
-    def _run(self, caller, first_work, second_work):
-        self.forked.record(caller)
-        self.first.wait_event(self.forked)
-        self.second.wait_event(self.forked)
-        try:
-            first_work(self.first)
-            second_work(self.second)
-        finally:
-            # Join even on error: a fork without a join would invalidate a graph capture.
-            self.first_done.record(self.first)
-            self.second_done.record(self.second)
-            caller.wait_event(self.first_done)
-            caller.wait_event(self.second_done)
 
 
 _made: dict = {}

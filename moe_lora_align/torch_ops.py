@@ -22,20 +22,10 @@ import torch
 from torch import Tensor
 
 from . import api
-from ._sizes import buffer_sizes
+from ._sizes import buffer_sizes, padded_sizes
 from .compat import sglang, vllm
 
 LIB = "moe_lora_align"
-
-
-def _sizes(numel, num_experts: int, block_size: int, pad_sorted_ids: bool):
-    """``buffer_sizes`` for a possibly symbolic ``numel`` (``min(numel * B, P)`` is ``P``
-    whenever ``numel >= E``, so it holds for every size)."""
-    padded = numel + num_experts * (block_size - 1)
-    if pad_sorted_ids:
-        padded = (padded + block_size - 1) // block_size * block_size
-    padded = torch.sym_min(numel * block_size, padded)
-    return padded, (padded + block_size - 1) // block_size
 
 
 def _empty(shape, like: Tensor) -> Tensor:
@@ -60,7 +50,8 @@ def moe_align_block_size(topk_ids: Tensor, block_size: int, num_experts: int,
 @moe_align_block_size.register_fake
 def _(topk_ids, block_size, num_experts, expert_map=None, pad_sorted_ids=False,
       ignore_invalid_experts=False, deterministic=False):
-    P, M = _sizes(topk_ids.numel(), num_experts, block_size, pad_sorted_ids)
+    P, M = padded_sizes(topk_ids.numel(), num_experts, block_size, pad_sorted_ids,
+                        torch.sym_min)
     return _empty((P,), topk_ids), _empty((M,), topk_ids), _empty((1,), topk_ids)
 
 
@@ -88,7 +79,8 @@ def moe_lora_align_block_size(topk_ids: Tensor, token_lora_mapping: Tensor, bloc
 @moe_lora_align_block_size.register_fake
 def _(topk_ids, token_lora_mapping, block_size, num_experts, max_loras, lora_ids=None,
       adapter_enabled=None, expert_map=None, pad_sorted_ids=False, deterministic=False):
-    P, M = _sizes(topk_ids.numel(), num_experts, block_size, pad_sorted_ids)
+    P, M = padded_sizes(topk_ids.numel(), num_experts, block_size, pad_sorted_ids,
+                        torch.sym_min)
     return (_empty((max_loras, P), topk_ids), _empty((max_loras, M), topk_ids),
             _empty((max_loras,), topk_ids))
 

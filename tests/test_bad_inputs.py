@@ -3,7 +3,6 @@ before anything is allocated or written (host arrays; CI runs this without a GPU
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import numpy as np

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 import moe_lora_align as mla
-from gpu_util import canonical, cupy, make_lora, make_routing, requires_gpu, segment_starts
+from gpu_util import (canonical, cupy, delayed_copy, make_lora, make_routing, requires_gpu,
+                      segment_starts)
 
 pytestmark = [requires_gpu, pytest.mark.gpu]
 
@@ -116,21 +117,6 @@ def test_together_deterministic_is_exact(T, E, K, B, L, tiny):
             np.testing.assert_array_equal(cupy.asnumpy(a), b)
 
 
-_SPIN = None
-
-
-def _delayed_copy(src, dst, cycles):
-    """On the current stream: spin ~cycles, then copy src to dst (late producer/consumer)."""
-    global _SPIN
-    if _SPIN is None:
-        _SPIN = cupy.RawKernel(r'''
-        extern "C" __global__ void spin_copy(const int* src, int* dst, int n, long long cycles) {
-            long long t0 = clock64();
-            while (clock64() - t0 < cycles) { }
-            for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
-                dst[i] = src[i];
-        }''', "spin_copy")
-    _SPIN((64,), (256,), (src, dst, np.int32(src.size), np.int64(cycles)))
 
 
 @pytest.mark.parametrize("streams", ["two", "fused", "one"])
@@ -152,13 +138,13 @@ def test_caller_stream_order(streams):
         mla.align_moe_and_lora(d_ids, d_map, B, E, L, lora_ids=d_lora, adapter_enabled=d_en,
                                out_base=out_b, out_lora=out_l)  # warm-up: compile, workspace
         caller.synchronize()
-        _delayed_copy(src.reshape(-1), d_ids.reshape(-1), 20_000_000)
+        delayed_copy(src.reshape(-1), d_ids.reshape(-1), 20_000_000)
         mla.align_moe_and_lora(d_ids, d_map, B, E, L, lora_ids=d_lora, adapter_enabled=d_en,
                                out_base=out_b, out_lora=out_l, streams=streams)
         seen_b = [cupy.empty_like(x) for x in out_b]
         seen_l = [cupy.empty_like(x) for x in out_l]
         for s, d in zip(out_b + out_l, seen_b + seen_l):
-            _delayed_copy(s.reshape(-1), d.reshape(-1), 0)
+            delayed_copy(s.reshape(-1), d.reshape(-1), 0)
     caller.synchronize()
     _check(seen_b, seen_l, ids, mapping, lora_ids, enabled, B, E, L)
 

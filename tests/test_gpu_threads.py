@@ -15,7 +15,7 @@ import pytest
 
 import fuzz_cases as fc
 import moe_lora_align as mla
-from gpu_util import cupy, make_lora, requires_gpu
+from gpu_util import cupy, delayed_copy, make_lora, requires_gpu
 
 pytestmark = [requires_gpu, pytest.mark.gpu]
 
@@ -24,26 +24,6 @@ CALLS = 50
 CONFIGS = [(1, 8, 64, 16, 4), (16, 8, 256, 16, 16), (300, 4, 128, 32, 8),
            (2048, 8, 128, 64, 8)]  # T, K, E, B, L
 KINDS = ["base", "lora", "pair-two", "pair-auto"]
-
-_SPIN = None
-
-
-def _spin_copy(src, dst, cycles):
-    """On the current stream: spin about ``cycles`` clocks, then copy src to dst."""
-    _SPIN((32,), (256,), (src, dst, np.int32(src.size), np.int64(cycles)))
-
-
-def _spin_kernel():
-    global _SPIN
-    if _SPIN is None:
-        _SPIN = cupy.RawKernel(r'''
-        extern "C" __global__ void spin_copy(const int* src, int* dst, int n, long long cycles) {
-            long long t0 = clock64();
-            while (clock64() - t0 < cycles) { }
-            for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
-                dst[i] = src[i];
-        }''', "spin_copy")
-    return _SPIN
 
 
 def _prepare():
@@ -71,7 +51,7 @@ def _one_call(case, d, stream, late):
     ids = d["ids"]
     if late:  # placeholder ids (all invalid) until the late copy lands
         ids = cupy.full(d["ids"].shape, case.E + 7, dtype=cupy.int32)
-        _spin_copy(d["ids"].reshape(-1), ids.reshape(-1), 100_000)
+        delayed_copy(d["ids"].reshape(-1), ids.reshape(-1), 100_000, blocks=32)
     kw = dict(deterministic=case.det)
     lkw = dict(lora_ids=d.get("lora_ids"), adapter_enabled=d.get("enabled"),
                max_loras=case.max_loras)
@@ -115,7 +95,7 @@ def _worker(tid, stream, prepared, errors, barrier):
 
 @pytest.mark.parametrize("own_streams", [True, False], ids=["own-streams", "default-stream"])
 def test_threads_call_at_once(own_streams):
-    _spin_kernel()
+    delayed_copy(cupy.zeros(1, np.int32), cupy.zeros(1, np.int32), 0)  # compiled once, here
     prepared = _prepare()
     # warm-up on this thread: kernels compiled and loaded, the spin kernel too
     warm = cupy.cuda.Stream(non_blocking=True)
