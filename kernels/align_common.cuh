@@ -304,6 +304,25 @@ __device__ __forceinline__ int warp_inclusive_sum(int x) {
   return x;
 }
 
+// One bucket's column of per-warp counters (stride apart) becomes the exclusive prefix over
+// the warps (each warp's rank offset), and the bucket's total comes back. Loads are issued
+// eight at a time, ahead of the stores, so a column costs a few round trips, not one a warp.
+__device__ __forceinline__ int prefix_over_warps(unsigned short* column, int stride, int warps) {
+  int run = 0;
+#pragma unroll 1
+  for (int w0 = 0; w0 < warps; w0 += 8) {
+    int c[8];
+#pragma unroll
+    for (int u = 0; u < 8; ++u) c[u] = w0 + u < warps ? column[(w0 + u) * stride] : 0;
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      if (w0 + u < warps) column[(w0 + u) * stride] = (unsigned short)run;
+      run += c[u];
+    }
+  }
+  return run;
+}
+
 // Block-wide exclusive scan: out[b] = sum_{b' < b} value(b'), out[n] = total. Each thread
 // scans a contiguous run; `out` may alias what `value` reads (in place on a thread's run).
 template <typename ValueFn>

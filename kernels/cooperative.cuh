@@ -136,12 +136,7 @@ __device__ __forceinline__ void align_cooperatively(const Problem& p, int block,
     // Per bucket: each warp's counter := routes of the warps before it; hist := block total,
     // published for the prefix over blocks, and added to the bucket's total.
     for (int b = threadIdx.x; b < nb; b += blockDim.x) {
-      int run = 0;
-      for (int w = 0; w < nwarps; ++w) {
-        const int c = warp_counts[w * stride + b];
-        warp_counts[w * stride + b] = (unsigned short)run;
-        run += c;
-      }
+      const int run = prefix_over_warps(warp_counts + b, stride, nwarps);
       hist[b] = run;
       p.chunk_hist[(long long)block * nb + b] = run;
       if (run != 0) atomicAdd(counts + b, run);

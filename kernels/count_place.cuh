@@ -237,12 +237,7 @@ __global__ void align_place(const Problem p) {
     for (int lb = threadIdx.x; lb < width; lb += blockDim.x) {
       const int b = lo_b + lb;
       offsets[lb] = p.starts[b] - p.starts[row_of(p, b) * E] + p.chunk_hist[(long long)chunk * nb + b];
-      int run = 0;
-      for (int w = 0; w < nwarps; ++w) {
-        const int c = warp_counts[w * p.range_width + lb];
-        warp_counts[w * p.range_width + lb] = (unsigned short)run;
-        run += c;
-      }
+      prefix_over_warps(warp_counts + lb, p.range_width, nwarps);
     }
     __syncthreads();
     for_routes<IdT>(p, lo + lane, 32, hi, [&](int i, Route r) {

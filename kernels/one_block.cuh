@@ -60,15 +60,8 @@ __device__ void align_in_one_block(const Problem& p, int stamp_as = 0) {
       claim(mine, b);  // totals only: order does not matter here
     });
     __syncthreads();
-    for (int b = threadIdx.x; b < nb; b += blockDim.x) {
-      int run = 0;
-      for (int w = 0; w < nwarps; ++w) {
-        const int c = warp_counts[w * stride + b];
-        warp_counts[w * stride + b] = (unsigned short)run;
-        run += c;
-      }
-      starts[b] = run;
-    }
+    for (int b = threadIdx.x; b < nb; b += blockDim.x)
+      starts[b] = prefix_over_warps(warp_counts + b, stride, nwarps);
     __syncthreads();
     scan_padded_counts(p, nb, [&](int b) { return starts[b]; }, starts, warp_sums);
     for_routes<IdT>(p, lo + lane, 32, hi, [&](int i, Route r) {
@@ -117,25 +110,6 @@ __global__ void align_pair(const Problem first, const Problem second) {
 // DET: warp_counts[route_warps * stride] ushort, stride = nb rounded up to even.
 #define TINY_ITEMS 4
 #define TINY_BUCKETS 4
-
-// Deterministic counts of one bucket: its column of the warps' counters (stride apart) becomes
-// the exclusive prefix over the warps, and the total comes back. Loads are issued eight at a
-// time, ahead of the stores, so the column costs a few round trips, not one a warp.
-__device__ __forceinline__ int prefix_over_warps(unsigned short* column, int stride, int warps) {
-  int run = 0;
-#pragma unroll 1
-  for (int w0 = 0; w0 < warps; w0 += 8) {
-    int c[8];
-#pragma unroll
-    for (int u = 0; u < 8; ++u) c[u] = w0 + u < warps ? column[(w0 + u) * stride] : 0;
-#pragma unroll
-    for (int u = 0; u < 8; ++u) {
-      if (w0 + u < warps) column[(w0 + u) * stride] = (unsigned short)run;
-      run += c[u];
-    }
-  }
-  return run;
-}
 
 // PER: buckets a thread, a compile-time count so the one-bucket version carries no loop or
 // guard for the others.
