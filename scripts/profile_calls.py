@@ -1,46 +1,153 @@
-"""Where the host time of an eager public call goes: cProfile over 10,000 calls.
+"""Where the host time of an eager call goes: wall time and cProfile over N calls, for the
+public functions and AlignPlan, base, LoRA or both; ``--pieces`` times the allocation
+pieces the allocating paths are built from.
 
-    python scripts/profile_calls.py [--calls N] [--path cupy_out|cupy_alloc|torch_out|torch_alloc]
+    python scripts/profile_calls.py [--calls N] [--op base|lora|pair]
+        [--path plan|cupy_out|cupy_alloc|torch_out|torch_alloc] [--pieces]
 """
 
 import argparse
 import cProfile
 import pstats
 import time
+import timeit
 
 import numpy as np
 
 import moe_lora_align as mla
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--calls", type=int, default=10000)
-    ap.add_argument("--path", default="cupy_out")
-    ap.add_argument("--lora", action="store_true", help="LoRA (16 slots) instead of base")
-    args = ap.parse_args()
+def inputs(op, path, T=16, K=8, E=256, B=16, L=16):
+    """The call to time, as the benchmark's eager table makes it."""
     import cupy
 
-    T, K, E, B, L = 16, 8, 256, 16, 16
     rng = np.random.default_rng(0)
     ids = rng.integers(0, E, size=(T, K)).astype(np.int32)
-    mapping = rng.integers(0, L, size=T).astype(np.int32)
-    d = [cupy.asarray(ids), cupy.asarray(mapping)]
+    mapping = rng.integers(-1, L, size=T).astype(np.int32)
+    lora_ids = np.arange(-1, L, dtype=np.int32)
+    enabled = np.ones(L + 1, np.int32)
+    d = [cupy.asarray(x) for x in (ids, mapping, lora_ids, enabled)]
     P, M = mla.buffer_sizes(T * K, E, B)
-    rows = L if args.lora else 1
-    if args.path.startswith("torch"):
+    if path == "plan":
+        plan = mla.AlignPlan(T, K, E, B, max_loras=None if op == "base" else L)
+        fn = (lambda: plan(d[0])) if op == "base" else (
+            lambda: plan(d[0], d[1], lora_ids=d[2], adapter_enabled=d[3]))
+        fn.plan = plan
+        return fn
+    if path.startswith("torch"):
         import torch
 
         d = [torch.from_dlpack(x) for x in d]
-        out = tuple(torch.empty(n, dtype=torch.int32, device="cuda")
-                    for n in (rows * P, rows * M, rows))
+        empty = lambda n: torch.empty(n, dtype=torch.int32, device="cuda")  # noqa: E731
     else:
-        out = tuple(cupy.empty(n, np.int32) for n in (rows * P, rows * M, rows))
-    out = out if args.path.endswith("_out") else None
-    if args.lora:
-        fn = lambda: mla.moe_lora_align_block_size(d[0], d[1], B, E, L, out=out)  # noqa: E731
-    else:
-        fn = lambda: mla.moe_align_block_size(d[0], B, E, out=out)  # noqa: E731
+        empty = lambda n: cupy.empty(n, np.int32)  # noqa: E731
+    base_out = lora_out = None
+    if path.endswith("_out"):
+        base_out = tuple(empty(n) for n in (P, M, 1))
+        lora_out = tuple(empty(n) for n in (L * P, L * M, L))
+    if op == "base":
+        return lambda: mla.moe_align_block_size(d[0], B, E, out=base_out)
+    if op == "lora":
+        return lambda: mla.moe_lora_align_block_size(d[0], d[1], B, E, L, lora_ids=d[2],
+                                                     adapter_enabled=d[3], out=lora_out)
+    return lambda: mla.align_moe_and_lora(d[0], d[1], B, E, L, lora_ids=d[2],
+                                          adapter_enabled=d[3], out_base=base_out,
+                                          out_lora=lora_out)
+
+
+def prepared_summary(plan=None):
+    """How the cached calls launch: stream mode and launches per call."""
+    from moe_lora_align import _call
+
+    caches = dict(_call._caches)
+    if plan is not None:
+        caches["plan"] = plan._prepared
+    for dev, cache in caches.items():
+        for key, prep in cache.items():
+            n = (sum(len(x) for x in prep.launches) if prep.mode == "two"
+                 else len(prep.launches))
+            print(f"  prepared ({dev}): mode {prep.mode}, {n} launches, "
+                  f"{'allocating' if prep.out_layout else 'out= given'}")
+
+
+def pieces(n=20000):
+    """µs per call of the pieces an allocating call could be built from."""
+    import cupy
+
+    i32 = np.dtype(np.int32)
+    sizes = (2048, 192, 1)
+    offs = (0, 2048, 2240)
+    total = 2244
+
+    def views_ctor():
+        buf = cupy.empty(total, i32)
+        mem = buf.data
+        return [cupy.ndarray((s,), i32, mem + 4 * o) for s, o in zip(sizes, offs)]
+
+    def views_slice():
+        buf = cupy.empty(total, i32)
+        return [buf[o:o + s] for s, o in zip(sizes, offs)]
+
+    def three_empty():
+        return [cupy.empty(s, i32) for s in sizes]
+
+    def alloc_only():
+        return cupy.cuda.alloc(4 * total)
+
+    def ctor_memptr():
+        mem = cupy.cuda.alloc(4 * total)
+        return [cupy.ndarray((s,), i32, mem + 4 * o) for s, o in zip(sizes, offs)]
+
+    s = cupy.cuda.get_current_stream()
+    cands = {"cupy.empty + 3 ndarray(memptr)": views_ctor, "cupy.empty + 3 slices": views_slice,
+             "3 cupy.empty": three_empty, "cupy.cuda.alloc": alloc_only,
+             "cupy.cuda.alloc + 3 ndarray(memptr)": ctor_memptr,
+             "streamIsCapturing": lambda: cupy.cuda.runtime.streamIsCapturing(s.ptr),
+             "get_current_stream().ptr": lambda: cupy.cuda.get_current_stream().ptr,
+             "getDevice": cupy.cuda.runtime.getDevice}
+    try:
+        import torch
+
+        dev = torch.device("cuda", 0)
+        cands["torch.empty + 3 slices"] = lambda: (
+            lambda b: [b[o:o + s] for s, o in zip(sizes, offs)])(
+            torch.empty(total, dtype=torch.int32, device=dev))
+        cands["torch.empty + split_with_sizes"] = lambda: torch.empty(
+            total, dtype=torch.int32, device=dev).split_with_sizes([2048, 192, 4])
+        cands["torch.empty"] = lambda: torch.empty(total, dtype=torch.int32, device=dev)
+        cands["3 torch.empty"] = lambda: [torch.empty(s, dtype=torch.int32, device=dev)
+                                          for s in sizes]
+        t = torch.empty(4, dtype=torch.int32, device=dev)
+        cands["tensor props (shape, stride(), dtype, get_device(), data_ptr())"] = lambda: (
+            t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr())
+        raw = torch._C._cuda_getCurrentRawStream
+        cands["_cuda_getCurrentRawStream"] = lambda: raw(0)
+    except ImportError:
+        pass
+    x = cupy.empty(4, i32)
+    cands["cupy props (shape, strides, dtype, data.device_id, data.ptr)"] = lambda: (
+        x.shape, x.strides, x.dtype, x.data.device_id, x.data.ptr)
+    for name, fn in cands.items():
+        for _ in range(200):
+            fn()
+        t = min(timeit.repeat(fn, number=n, repeat=3)) / n * 1e6
+        print(f"  {t:7.2f} µs  {name}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--calls", type=int, default=10000)
+    ap.add_argument("--op", default="base", choices=("base", "lora", "pair"))
+    ap.add_argument("--path", default="cupy_out")
+    ap.add_argument("--pieces", action="store_true")
+    ap.add_argument("--top", type=int, default=14)
+    args = ap.parse_args()
+    import cupy
+
+    if args.pieces:
+        pieces()
+        return
+    fn = inputs(args.op, args.path)
     for _ in range(100):
         fn()
     cupy.cuda.Device().synchronize()
@@ -48,15 +155,16 @@ def main():
     for _ in range(args.calls):
         fn()
     cupy.cuda.Device().synchronize()
-    print(f"{args.path} {'lora' if args.lora else 'base'}: "
-          f"{(time.perf_counter() - t) / args.calls * 1e6:.2f} µs per call (wall, no profiler)")
+    print(f"{args.path} {args.op}: {(time.perf_counter() - t) / args.calls * 1e6:.2f} µs per "
+          "call (wall, no profiler)")
+    prepared_summary(getattr(fn, "plan", None))
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(args.calls):
         fn()
     prof.disable()
     cupy.cuda.Device().synchronize()
-    pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+    pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
 
 
 if __name__ == "__main__":
