@@ -173,7 +173,8 @@ class AlignPlan:
                 sp = _call.stream_pointer(kind, device, stream)
                 prep = _call.lookup(self._prepared, (streams, props, sp))
                 if prep is not None:
-                    return self._result(prep.run(ptrs, None, sp))
+                    prep.run(ptrs, None, sp)
+                    return prep.answer
         return self._full_call(inputs, streams, stream)
 
     def _full_call(self, inputs, streams, stream):
@@ -235,6 +236,7 @@ class AlignPlan:
                 prep = _call.build_prepared(calls, launched, ptrs, kind, sp,
                                             fixed=([int(x.data.ptr) for x in outs], answered))
                 if prep is not None:
+                    prep.answer = self._result(answered)
                     _call.keep(self._prepared, (streams, props, sp), prep)
         return self._result(answered)
 

@@ -33,6 +33,8 @@ def inputs(op, path, T=16, K=8, E=256, B=16, L=16):
         fn = (lambda: plan(d[0])) if op == "base" else (
             lambda: plan(d[0], d[1], lora_ids=d[2], adapter_enabled=d[3]))
         fn.plan = plan
+        fn.args = (d[0], None if op == "base" else d[1], None if op == "base" else d[2],
+                   None if op == "base" else d[3], None)
         return fn
     if path.startswith("torch"):
         import torch
@@ -117,9 +119,9 @@ def pieces(n=20000):
         cands["torch.empty"] = lambda: torch.empty(total, dtype=torch.int32, device=dev)
         cands["3 torch.empty"] = lambda: [torch.empty(s, dtype=torch.int32, device=dev)
                                           for s in sizes]
-        t = torch.empty(4, dtype=torch.int32, device=dev)
+        tt = torch.empty(4, dtype=torch.int32, device=dev)
         cands["tensor props (shape, stride(), dtype, get_device(), data_ptr())"] = lambda: (
-            t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr())
+            tt.shape, tt.stride(), tt.dtype, tt.get_device(), tt.data_ptr())
         raw = torch._C._cuda_getCurrentRawStream
         cands["_cuda_getCurrentRawStream"] = lambda: raw(0)
     except ImportError:
@@ -127,11 +129,47 @@ def pieces(n=20000):
     x = cupy.empty(4, i32)
     cands["cupy props (shape, strides, dtype, data.device_id, data.ptr)"] = lambda: (
         x.shape, x.strides, x.dtype, x.data.device_id, x.data.ptr)
+    cands["cupy props (shape, _c_contiguous, dtype, data.device_id, data.ptr)"] = lambda: (
+        x.shape, x._c_contiguous, x.dtype, x.data.device_id, x.data.ptr)
     for name, fn in cands.items():
         for _ in range(200):
             fn()
         t = min(timeit.repeat(fn, number=n, repeat=3)) / n * 1e6
         print(f"  {t:7.2f} µs  {name}")
+
+
+def breakdown(n=20000):
+    """µs of each piece of a prepared call (AlignPlan and public out=, base and pair) at the
+    benchmark's sizes, on a created stream and on the legacy default stream."""
+    import cupy
+
+    from moe_lora_align import _call, _launch
+
+    def us(fn):
+        for _ in range(100):
+            fn()
+        cupy.cuda.Device().synchronize()
+        t = min(timeit.repeat(fn, number=n, repeat=3)) / n * 1e6
+        cupy.cuda.Device().synchronize()
+        return t
+
+    for T, E, L in ((1, 64, 4), (16, 256, 16), (4096, 256, 16)):
+        for op in ("base", "pair"):
+            for stream in (cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream.null):
+                with stream:
+                    fn = inputs(op, "plan", T=T, E=E, L=L)
+                    fn()
+                    plan = fn.plan
+                    (key, prep), = plan._prepared.items()
+                    sp = key[2]
+                    launches = prep.launches if prep.mode != "two" else prep.launches[0]
+                    row = {"call": us(fn),
+                           "launch": us(lambda: _launch.replay_launches(launches, sp)),
+                           "props": us(lambda: _call.properties(fn.args)),
+                           "lookup": us(lambda: _call.lookup(plan._prepared, key))}
+                cells = "  ".join(f"{k} {v:6.2f}" for k, v in row.items())
+                print(f"  plan {op:4} T={T:5} E={E:3} L={L:2} "
+                      f"{'null' if stream.ptr == 0 else 'own '} mode {prep.mode}: {cells}")
 
 
 def main():
@@ -140,12 +178,16 @@ def main():
     ap.add_argument("--op", default="base", choices=("base", "lora", "pair"))
     ap.add_argument("--path", default="cupy_out")
     ap.add_argument("--pieces", action="store_true")
+    ap.add_argument("--breakdown", action="store_true")
     ap.add_argument("--top", type=int, default=14)
     args = ap.parse_args()
     import cupy
 
     if args.pieces:
         pieces()
+        return
+    if args.breakdown:
+        breakdown()
         return
     fn = inputs(args.op, args.path)
     for _ in range(100):

@@ -20,6 +20,8 @@ class FakeCupy:
         self.strides = strides or tuple(
             int(np.prod(shape[i + 1:])) * self.dtype.itemsize for i in range(len(shape)))
         self.data = SimpleNamespace(ptr=ptr, device_id=device)
+        self._c_contiguous = self.strides == tuple(
+            int(np.prod(shape[i + 1:])) * self.dtype.itemsize for i in range(len(shape)))
         self.nbytes = int(np.prod(shape)) * self.dtype.itemsize
 
 
@@ -213,3 +215,15 @@ def test_public_call_takes_the_prepared_path_end_to_end(monkeypatch):
     # which refuses these fake arrays.
     with pytest.raises(TypeError):
         mla.moe_align_block_size(new_ids, 8, 4, out=new_out)
+
+
+@pytest.mark.parametrize("shapes", [[(20,), (5,), (1,)], [(3, 20), (3, 5), (3,)],
+                                    [(20,), (5,), (1,), (8,), (3, 21), (3, 7), (3,)]])
+def test_allocating_layout_is_aligned_and_splits_exactly(shapes):
+    layout = _call.OutLayout(shapes)
+    sizes = [int(np.prod(s)) for s in shapes]
+    assert [off % 4 for off in layout.offsets] == [0] * len(shapes)  # 16-byte aligned
+    for i, (off, n) in enumerate(zip(layout.offsets, sizes)):
+        assert layout.pieces[2 * i] == n and sum(layout.pieces[:2 * i]) == off
+        assert 0 <= layout.pieces[2 * i + 1] < 4
+    assert sum(layout.pieces) == layout.entries and layout.nbytes == 4 * layout.entries
