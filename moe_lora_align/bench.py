@@ -133,6 +133,19 @@ def host_us(fn, stream, calls=200, reps=5, context=None):
 EAGER_PATHS = ("plan", "cupy_out", "cupy_alloc", "torch_out", "torch_alloc")
 
 
+def public_call(op, x, B, E, L, outs=None):
+    """A public function's eager call as the eager table times it: ``x`` = (ids, mapping,
+    lora_ids, adapter_enabled); ``outs``: out= buffers (for "pair": (base, LoRA)) or None."""
+    if op == "base":
+        return lambda: mla.moe_align_block_size(x[0], B, E, out=outs)
+    if op == "lora":
+        return lambda: mla.moe_lora_align_block_size(x[0], x[1], B, E, L, lora_ids=x[2],
+                                                     adapter_enabled=x[3], out=outs)
+    return lambda: mla.align_moe_and_lora(x[0], x[1], B, E, L, lora_ids=x[2],
+                                          adapter_enabled=x[3], out_base=outs and outs[0],
+                                          out_lora=outs and outs[1])
+
+
 def eager_paths(op, ids, d, T, K, E, B, L, stream, check):
     """Eager and host µs per call of every public path for one size: an AlignPlan, the public
     function with CuPy arrays (``out=`` given, and allocating), and with torch tensors (the
@@ -154,14 +167,7 @@ def eager_paths(op, ids, d, T, K, E, B, L, stream, check):
                                    stream=stream)
 
     def public(x, outs):
-        if op == "base":
-            return lambda: mla.moe_align_block_size(x[0], B, E, out=outs)
-        if op == "lora":
-            return lambda: mla.moe_lora_align_block_size(x[0], x[1], B, E, L, lora_ids=x[2],
-                                                         adapter_enabled=x[3], out=outs)
-        return lambda: mla.align_moe_and_lora(x[0], x[1], B, E, L, lora_ids=x[2],
-                                              adapter_enabled=x[3], out_base=outs and outs[0],
-                                              out_lora=outs and outs[1])
+        return public_call(op, x, B, E, L, outs)
 
     def outs_of(full):
         # Rows of slots no call processes keep what out= held: the empty alignment.

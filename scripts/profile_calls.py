@@ -3,7 +3,8 @@ public functions and AlignPlan, base, LoRA or both; ``--pieces`` times the alloc
 pieces the allocating paths are built from.
 
     python scripts/profile_calls.py [--calls N] [--op base|lora|pair]
-        [--path plan|cupy_out|cupy_alloc|torch_out|torch_alloc] [--pieces]
+        [--path plan|cupy_out|cupy_alloc|torch_out|torch_alloc] [--wall] [--pieces]
+        [--breakdown]
 """
 
 import argparse
@@ -15,6 +16,7 @@ import timeit
 import numpy as np
 
 import moe_lora_align as mla
+from moe_lora_align.bench import public_call
 
 
 def inputs(op, path, T=16, K=8, E=256, B=16, L=16):
@@ -43,18 +45,12 @@ def inputs(op, path, T=16, K=8, E=256, B=16, L=16):
         empty = lambda n: torch.empty(n, dtype=torch.int32, device="cuda")  # noqa: E731
     else:
         empty = lambda n: cupy.empty(n, np.int32)  # noqa: E731
-    base_out = lora_out = None
+    outs = None
     if path.endswith("_out"):
         base_out = tuple(empty(n) for n in (P, M, 1))
         lora_out = tuple(empty(n) for n in (L * P, L * M, L))
-    if op == "base":
-        return lambda: mla.moe_align_block_size(d[0], B, E, out=base_out)
-    if op == "lora":
-        return lambda: mla.moe_lora_align_block_size(d[0], d[1], B, E, L, lora_ids=d[2],
-                                                     adapter_enabled=d[3], out=lora_out)
-    return lambda: mla.align_moe_and_lora(d[0], d[1], B, E, L, lora_ids=d[2],
-                                          adapter_enabled=d[3], out_base=base_out,
-                                          out_lora=lora_out)
+        outs = base_out if op == "base" else lora_out if op == "lora" else (base_out, lora_out)
+    return public_call(op, d, B, E, L, outs)
 
 
 def prepared_summary(plan=None):
@@ -179,6 +175,7 @@ def main():
     ap.add_argument("--path", default="cupy_out")
     ap.add_argument("--pieces", action="store_true")
     ap.add_argument("--breakdown", action="store_true")
+    ap.add_argument("--wall", action="store_true", help="the wall time only, no profile")
     ap.add_argument("--top", type=int, default=14)
     args = ap.parse_args()
     import cupy
@@ -200,6 +197,8 @@ def main():
     print(f"{args.path} {args.op}: {(time.perf_counter() - t) / args.calls * 1e6:.2f} µs per "
           "call (wall, no profiler)")
     prepared_summary(getattr(fn, "plan", None))
+    if args.wall:
+        return
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(args.calls):

@@ -28,7 +28,8 @@ import numpy as np
 
 import moe_lora_align as mla
 from moe_lora_align import _kernels
-from moe_lora_align.bench import _starts, check_against_numpy, graph_us, lora_inputs, routing
+from moe_lora_align.bench import check_against_numpy, graph_us, lora_inputs, routing
+from moe_lora_align.testing import segment_starts
 
 CASES = [  # op, T, E, K, B, L
     ("base", 1, 8, 2, 16, None), ("base", 1, 64, 8, 16, None), ("base", 1, 512, 10, 16, None),
@@ -54,17 +55,17 @@ def make_call(case, stream, det=False, policy=None):
     if op == "base":
         plan = mla.AlignPlan(T, K, E, B, deterministic=det, policy=policy)
         fn = lambda: plan(d_ids, stream=stream)  # noqa: E731
-        checks = [(lambda r: r, mla.moe_align_block_size(ids, B, E), lambda: _starts(ids, E, B))]
+        checks = [(lambda r: r, mla.moe_align_block_size(ids, B, E), lambda: segment_starts(ids, E, B))]
     else:
         mapping, lora_ids, enabled = lora_inputs(rng, T, L)
         dm, dl = cupy.asarray(mapping), cupy.asarray(lora_ids)
         ref_l = mla.moe_lora_align_block_size(ids, mapping, B, E, L, lora_ids=lora_ids)
-        lora_check = (lambda r: r, ref_l, lambda: _starts(ids, E, B, L, mapping))
+        lora_check = (lambda r: r, ref_l, lambda: segment_starts(ids, E, B, rows=L, mapping=mapping))
         if op == "pair":
             plan = mla.AlignPlan(T, K, E, B, max_loras=L, deterministic=det, policy=policy)
             fn = lambda: plan(d_ids, dm, lora_ids=dl, stream=stream)  # noqa: E731
             checks = [(lambda r: r[0], mla.moe_align_block_size(ids, B, E),
-                       lambda: _starts(ids, E, B)), (lambda r: r[1],) + lora_check[1:]]
+                       lambda: segment_starts(ids, E, B)), (lambda r: r[1],) + lora_check[1:]]
         else:
             P, M = mla.buffer_sizes(T * K, E, B)
             out = [cupy.full((L, P), T * K, np.int32), cupy.full((L, M), -1, np.int32),
