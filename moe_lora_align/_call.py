@@ -256,9 +256,10 @@ def properties(arrays):
     """``(key part, pointers, framework)`` of device arrays, or None when an array is of a
     kind the prepared calls do not serve (then the call takes the full path).
 
-    Per array the key holds what the checks read: type, shape, dtype, device and, for CuPy,
-    the C-contiguity flag (the checks read only that flag, never the strides) or, for torch,
-    the strides. The loop is the hot path of every eager call: kept flat on purpose."""
+    Per array the key holds what the checks read: type, shape, dtype, device and the
+    C-contiguity flag (the checks read only that flag, never the strides; torch and CuPy
+    both ignore the strides of size-1 dimensions in it). The loop is the hot path of every
+    eager call: kept flat on purpose."""
     props, ptrs, kind, kinds = [], [], None, _KINDS
     for x in arrays:
         if x is None:
@@ -278,7 +279,7 @@ def properties(arrays):
             props.append((t, x.shape, x._c_contiguous, x.dtype, data.device_id))
             ptrs.append(data.ptr)
         else:
-            props.append((t, x.shape, x.stride(), x.dtype, x.get_device()))
+            props.append((t, x.shape, x.is_contiguous(), x.dtype, x.get_device()))
             ptrs.append(x.data_ptr())
     return tuple(props), ptrs, kind
 

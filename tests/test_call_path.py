@@ -29,8 +29,8 @@ class FakeTorch:
     def __init__(self, ptr, shape=(4, 2), dtype="int32", device=0):
         self.shape, self.dtype, self._ptr, self._device = tuple(shape), dtype, ptr, device
 
-    def stride(self):
-        return tuple(int(np.prod(self.shape[i + 1:])) for i in range(len(self.shape)))
+    def is_contiguous(self):
+        return True
 
     def get_device(self):
         return self._device

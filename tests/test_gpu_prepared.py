@@ -6,6 +6,7 @@ import pytest
 
 import moe_lora_align as mla
 from moe_lora_align import _call
+from moe_lora_align._reference import processed_rows
 from gpu_util import POISON, canonical, cupy, make_lora, make_routing, requires_gpu, \
     segment_starts
 
@@ -214,6 +215,46 @@ def test_torch_public_calls():
                                              adapter_enabled=torch.from_numpy(enabled).cuda())
         torch.cuda.synchronize()
         _check_lora(lora, ids, mapping, lora_ids, enabled)
+
+
+def test_torch_contiguity_and_layout_changes_get_their_own_answers():
+    """torch's key reads the contiguity flag: a strided view of the same shape, and a 2-D
+    LoRA out= after a flat one, alternate with the plain call and all stay correct; the
+    allocating call's outputs (one allocation split into views) have the public shapes."""
+    torch = pytest.importorskip("torch")
+    P, M = mla.buffer_sizes(16 * K, E, B)
+    for rep in range(3):
+        ids = _routing(10 + rep)
+        plain = torch.from_numpy(ids).cuda()
+        wide = torch.zeros((ids.shape[0], 2 * K), dtype=torch.int32, device="cuda")
+        wide[:, ::2] = plain
+        for t in (plain, wide[:, ::2]):
+            _check_base(mla.moe_align_block_size(t, B, E), ids)
+        mapping, lora_ids, enabled = make_lora(np.random.default_rng(rep), ids.shape[0], L)
+        args = [torch.from_numpy(x).cuda() for x in (mapping, lora_ids, enabled)]
+        flat = tuple(torch.full((n,), POISON, dtype=torch.int32, device="cuda")
+                     for n in (L * P, L * M, L))
+        rows = (torch.full((L, P), POISON, dtype=torch.int32, device="cuda"),
+                torch.full((L, M), POISON, dtype=torch.int32, device="cuda"),
+                torch.full((L,), POISON, dtype=torch.int32, device="cuda"))
+        for out in (flat, rows, None):
+            got = mla.moe_lora_align_block_size(plain, args[0], B, E, L, lora_ids=args[1],
+                                                adapter_enabled=args[2], out=out)
+            torch.cuda.synchronize()
+            if out is None:
+                assert [tuple(x.shape) for x in got] == [(L, P), (L, M), (L,)]
+                _check_lora(got, ids, mapping, lora_ids, enabled)
+            else:
+                assert got.sorted_token_ids is out[0]
+                processed = processed_rows(L, lora_ids, enabled)
+                assert (got.num_tokens_post_pad.cpu().numpy()[~processed] == POISON).all()
+                want = mla.moe_lora_align_block_size(ids, mapping, B, E, L, lora_ids=lora_ids,
+                                                     adapter_enabled=enabled)
+                np.testing.assert_array_equal(got.num_tokens_post_pad.cpu().numpy()[processed],
+                                              want.num_tokens_post_pad[processed])
+                np.testing.assert_array_equal(
+                    got.expert_ids.cpu().numpy().reshape(L, M)[processed],
+                    want.expert_ids[processed])
 
 
 def test_torch_graph_capture_with_out():
