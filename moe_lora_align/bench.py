@@ -114,20 +114,36 @@ def eager_us(fn, stream, calls=100, reps=7, context=None):
     return statistics.median(times)
 
 
-def host_us(fn, stream, calls=200, reps=5, context=None):
-    """Host time per call of ``fn`` (Python to the driver), median of ``reps``."""
+def eager_interleaved(fns, stream, contexts, calls=100, reps=9):
+    """GPU and host µs per call of each of ``fns`` (name -> callable) launched back to back,
+    the paths taking turns block by block (A, B, C, A, B, C, ...) so that a host that speeds
+    up or slows down during the run moves every path alike; medians over ``reps`` blocks.
+    GPU time is between events on ``stream``; host time is the enqueue loop's wall time.
+    ``contexts[name]()`` makes that stream the framework's current one (or None)."""
     import contextlib
 
-    with stream, (context or contextlib.nullcontext()):
-        times = []
-        for _ in range(reps):
-            stream.synchronize()
-            t = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            times.append((time.perf_counter() - t) / calls * 1e6)
-        stream.synchronize()
-    return statistics.median(times)
+    import cupy
+
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    gpu = {name: [] for name in fns}
+    host = {name: [] for name in fns}
+    with stream:
+        for rep in range(reps + 1):  # block 0 warms every path up and is not counted
+            for name, fn in fns.items():
+                with (contexts.get(name, lambda: None)() or contextlib.nullcontext()):
+                    stream.synchronize()
+                    start.record(stream)
+                    t = time.perf_counter()
+                    for _ in range(calls if rep else 5):
+                        fn()
+                    elapsed = time.perf_counter() - t
+                    stop.record(stream)
+                    stop.synchronize()
+                if rep:
+                    gpu[name].append(cupy.cuda.get_elapsed_time(start, stop) * 1e3 / calls)
+                    host[name].append(elapsed / calls * 1e6)
+    return ({n: statistics.median(v) for n, v in gpu.items()},
+            {n: statistics.median(v) for n, v in host.items()})
 
 
 EAGER_PATHS = ("plan", "cupy_out", "cupy_alloc", "torch_out", "torch_alloc")
@@ -189,7 +205,6 @@ def eager_paths(op, ids, d, T, K, E, B, L, stream, check):
         fns["torch_alloc"] = public(td, None)
         ts = torch.cuda.ExternalStream(stream.ptr)
         contexts = {k: (lambda: torch.cuda.stream(ts)) for k in ("torch_out", "torch_alloc")}
-    eager, host = {}, {}
     for name, fn in fns.items():
         ctx = contexts.get(name, lambda: None)
         with stream:
@@ -204,9 +219,7 @@ def eager_paths(op, ids, d, T, K, E, B, L, stream, check):
             check(res)
         except AssertionError as e:
             raise AssertionError(f"{op} T={T} E={E} L={L}, {name}: {e}") from None
-        eager[name] = eager_us(fn, stream, context=ctx())
-        host[name] = host_us(fn, stream, context=ctx())
-    return eager, host
+    return eager_interleaved(fns, stream, contexts)
 
 
 def cupy_baseline(ids, E, B, mapping=None, L=1):
@@ -504,9 +517,10 @@ def eager_table(results):
                      f"{r['block_size']:4d} {r.get('max_loras') or '':>3} "
                      f"{r.get('routing', 'uniform'):8} " + " ".join(cells))
     lines.append("eager: µs per call launched back to back (GPU time between events); in "
-                 "brackets the host's µs per call. plan: an AlignPlan; cupy_/torch_: the public "
-                 "function with CuPy arrays / torch tensors, out= given or allocating; pair "
-                 "rows: align_moe_and_lora.")
+                 "brackets the host's µs per call; the paths of a row take turns, 9 blocks of "
+                 "100 calls, medians. plan: an AlignPlan; cupy_/torch_: the public function "
+                 "with CuPy arrays / torch tensors, out= given or allocating; pair rows: "
+                 "align_moe_and_lora.")
     return lines
 
 
