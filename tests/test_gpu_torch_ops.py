@@ -74,3 +74,89 @@ def test_engine_op_under_cuda_graph_capture():
         np.testing.assert_array_equal(canonical(out[0][:P].cpu().numpy()[None], sb),
                                       canonical(want.sorted_token_ids[None], sb))
         np.testing.assert_array_equal(out[1][:M].cpu().numpy(), want.expert_ids)
+
+
+# ---- every engine op under torch.compile(fullgraph=True) and torch.cuda.graph -------------
+def _engine_step(op):
+    """A step calling one custom op into preallocated torch buffers, and how to read what it
+    wrote as (base result or None, LoRA result or None)."""
+    from test_compat_sglang import sglang_buffers
+    from test_compat_vllm import vllm_base_buffers, vllm_lora_buffers
+
+    cuda = lambda x: torch.from_numpy(np.ascontiguousarray(x)).cuda()  # noqa: E731
+    P, M = mla.buffer_sizes(T * K, E, B)
+    if op == "vllm_base":
+        bufs = [cuda(b) for b in vllm_base_buffers(T * K, E, B)]
+        step = lambda ids, mapping: OPS.vllm_moe_align_block_size(ids, E, B, *bufs)  # noqa
+        read = lambda: ((bufs[0][:P], bufs[1][:M], bufs[2]), None)  # noqa: E731
+    elif op == "sglang":
+        # SGLang passes E + 1 experts (its last id marks filtered routes) and sizes for it.
+        bufs = [cuda(b) for b in sglang_buffers(T * K, E - 1, B, False)]
+        bufs[0].fill_(T * K)
+        step = lambda ids, mapping: OPS.sglang_moe_align_block_size(  # noqa: E731
+            ids, E, B, *bufs, False)
+        read = lambda: ((bufs[0][:P], bufs[1][:M], bufs[2]), None)  # noqa: E731
+    elif op == "vllm_lora":
+        padded, blocks, host = vllm_lora_buffers(T * K, E, B, L)
+        bufs = [cuda(b) for b in host]
+        lora_ids = cuda(np.arange(-1, L, dtype=np.int32))
+        enabled = cuda(np.ones(L + 1, np.int32))
+        step = lambda ids, mapping: OPS.vllm_moe_lora_align_block_size(  # noqa: E731
+            ids, mapping, E, B, L, padded, blocks, *bufs, enabled, lora_ids)
+        read = lambda: (None, (bufs[0].view(L, padded)[:, :P], bufs[1].view(L, blocks)[:, :M],  # noqa
+                               bufs[2]))
+    else:  # the public ops: new tensors each call, read from what the step returned
+        step = None
+        read = None
+    return step, read
+
+
+def _check_sides(base, lora, ids, mapping):
+    if base is not None:
+        want = mla.moe_align_block_size(ids, B, E)
+        sb = segment_starts(ids, E, B)
+        np.testing.assert_array_equal(canonical(base[0].cpu().numpy()[None], sb),
+                                      canonical(want.sorted_token_ids[None], sb))
+        np.testing.assert_array_equal(base[1].cpu().numpy(), want.expert_ids)
+        np.testing.assert_array_equal(base[2].cpu().numpy(), want.num_tokens_post_pad)
+    if lora is not None:
+        want = mla.moe_lora_align_block_size(ids, mapping, B, E, L)
+        sl = segment_starts(ids, E, B, rows=L, mapping=mapping)
+        np.testing.assert_array_equal(canonical(lora[0].cpu().numpy(), sl),
+                                      canonical(want.sorted_token_ids, sl))
+        np.testing.assert_array_equal(lora[1].cpu().numpy(), want.expert_ids)
+        np.testing.assert_array_equal(lora[2].cpu().numpy(), want.num_tokens_post_pad)
+
+
+@pytest.mark.parametrize("op", ["vllm_base", "vllm_lora", "sglang"])
+def test_engine_ops_compiled_fullgraph(op):
+    step, read = _engine_step(op)
+    compiled = torch.compile(step, fullgraph=True)
+    for seed in range(3):
+        ids, mapping = _inputs(20 + seed)
+        compiled(torch.from_numpy(ids).cuda(), torch.from_numpy(mapping).cuda())
+        torch.cuda.synchronize()
+        _check_sides(*read(), ids, mapping)
+
+
+@pytest.mark.parametrize("op", ["public", "vllm_lora", "sglang"])
+def test_ops_under_cuda_graph_capture(op):
+    step, read = _engine_step(op)
+    if op == "public":
+        step = lambda ids, mapping: globals()["step"](ids, mapping)  # noqa: E731
+    ids, mapping = _inputs(30)
+    t_ids, t_map = torch.from_numpy(ids).cuda(), torch.from_numpy(mapping).cuda()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        step(t_ids, t_map)  # warm-up where the capture runs
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        captured = step(t_ids, t_map)
+    for seed in (31, 32):
+        ids, mapping = _inputs(seed)
+        t_ids.copy_(torch.from_numpy(ids))
+        t_map.copy_(torch.from_numpy(mapping))
+        graph.replay()
+        torch.cuda.synchronize()
+        _check_sides(*(captured if op == "public" else read()), ids, mapping)
