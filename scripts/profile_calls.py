@@ -135,8 +135,8 @@ def pieces(n=20000):
 
 
 def breakdown(n=20000):
-    """µs of each piece of a prepared call (AlignPlan and public out=, base and pair) at the
-    benchmark's sizes, on a created stream and on the legacy default stream."""
+    """µs of each piece of a prepared AlignPlan call (base and pair) at the benchmark's
+    sizes, on a created stream and on the legacy default stream."""
     import cupy
 
     from moe_lora_align import _call, _launch

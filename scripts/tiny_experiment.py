@@ -55,12 +55,14 @@ def make_call(case, stream, det=False, policy=None):
     if op == "base":
         plan = mla.AlignPlan(T, K, E, B, deterministic=det, policy=policy)
         fn = lambda: plan(d_ids, stream=stream)  # noqa: E731
-        checks = [(lambda r: r, mla.moe_align_block_size(ids, B, E), lambda: segment_starts(ids, E, B))]
+        checks = [(lambda r: r, mla.moe_align_block_size(ids, B, E),
+                   lambda: segment_starts(ids, E, B))]
     else:
         mapping, lora_ids, enabled = lora_inputs(rng, T, L)
         dm, dl = cupy.asarray(mapping), cupy.asarray(lora_ids)
         ref_l = mla.moe_lora_align_block_size(ids, mapping, B, E, L, lora_ids=lora_ids)
-        lora_check = (lambda r: r, ref_l, lambda: segment_starts(ids, E, B, rows=L, mapping=mapping))
+        lora_check = (lambda r: r, ref_l,
+                      lambda: segment_starts(ids, E, B, rows=L, mapping=mapping))
         if op == "pair":
             plan = mla.AlignPlan(T, K, E, B, max_loras=L, deterministic=det, policy=policy)
             fn = lambda: plan(d_ids, dm, lora_ids=dl, stream=stream)  # noqa: E731

@@ -78,7 +78,7 @@ def test_engine_op_under_cuda_graph_capture():
 
 # ---- every engine op under torch.compile(fullgraph=True) and torch.cuda.graph -------------
 def _engine_step(op):
-    """A step calling one custom op into preallocated torch buffers, and how to read what it
+    """A step calling one engine op into preallocated torch buffers, and how to read what it
     wrote as (base result or None, LoRA result or None)."""
     from test_compat_sglang import sglang_buffers
     from test_compat_vllm import vllm_base_buffers, vllm_lora_buffers
@@ -96,7 +96,7 @@ def _engine_step(op):
         step = lambda ids, mapping: OPS.sglang_moe_align_block_size(  # noqa: E731
             ids, E, B, *bufs, False)
         read = lambda: ((bufs[0][:P], bufs[1][:M], bufs[2]), None)  # noqa: E731
-    elif op == "vllm_lora":
+    else:  # "vllm_lora"
         padded, blocks, host = vllm_lora_buffers(T * K, E, B, L)
         bufs = [cuda(b) for b in host]
         lora_ids = cuda(np.arange(-1, L, dtype=np.int32))
@@ -105,9 +105,6 @@ def _engine_step(op):
             ids, mapping, E, B, L, padded, blocks, *bufs, enabled, lora_ids)
         read = lambda: (None, (bufs[0].view(L, padded)[:, :P], bufs[1].view(L, blocks)[:, :M],  # noqa
                                bufs[2]))
-    else:  # the public ops: new tensors each call, read from what the step returned
-        step = None
-        read = None
     return step, read
 
 
@@ -141,18 +138,17 @@ def test_engine_ops_compiled_fullgraph(op):
 
 @pytest.mark.parametrize("op", ["public", "vllm_lora", "sglang"])
 def test_ops_under_cuda_graph_capture(op):
-    step, read = _engine_step(op)
-    if op == "public":
-        step = lambda ids, mapping: globals()["step"](ids, mapping)  # noqa: E731
+    # The public ops return new tensors each call: read what the captured call returned.
+    run, read = (step, None) if op == "public" else _engine_step(op)
     ids, mapping = _inputs(30)
     t_ids, t_map = torch.from_numpy(ids).cuda(), torch.from_numpy(mapping).cuda()
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
-        step(t_ids, t_map)  # warm-up where the capture runs
+        run(t_ids, t_map)  # warm-up where the capture runs
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=side):
-        captured = step(t_ids, t_map)
+        captured = run(t_ids, t_map)
     for seed in (31, 32):
         ids, mapping = _inputs(seed)
         t_ids.copy_(torch.from_numpy(ids))
