@@ -11,6 +11,7 @@ rewritten before the same kernels go to the driver again.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import threading
 
@@ -72,8 +73,9 @@ def prepare(topk_ids, block_size, num_experts, *, rows, token_lora_mapping=None,
              lora_ids=None, adapter_enabled=None, expert_map=None, map_mode=MAP_NONE,
              pad_sorted_ids=False, scatter=False, deterministic=False, out=None,
              validate=None, lora=False, out_arg="out", fill_unprocessed=None,
-             plan_outputs=False):
-    """Check one call from its arguments alone and build its job (outputs not allocated)."""
+             plan_outputs=False, stream=None):
+    """Check one call from its arguments alone and build its job (outputs not allocated);
+    ``stream``: the caller's, where the value checks and a strided input's copy run."""
     block_size = _checks.positive_int("block_size", block_size)
     num_experts = _checks.positive_int("num_experts", num_experts)
     _checks.check_buckets(num_experts, rows)
@@ -137,18 +139,23 @@ def prepare(topk_ids, block_size, num_experts, *, rows, token_lora_mapping=None,
 
     if validate is None:
         validate = where == _interop.HOST
-    if validate:
-        if native["expert_map"] is not None:
-            _checks.check_expert_map_values(native["expert_map"], num_experts)
-        if lora:
-            _checks.check_token_lora_mapping_values(native["token_lora_mapping"], rows)
-            if native["lora_ids"] is not None:
-                _checks.check_lora_ids_values(native["lora_ids"], rows)
+    contiguous = bool(ids.flags.c_contiguous)
+    order = contextlib.nullcontext()
+    if where == _interop.DEVICE and (validate or not contiguous):
+        order = _interop.ordered_on(framework, device_id, stream)
+    with order:
+        if validate:
+            if native["expert_map"] is not None:
+                _checks.check_expert_map_values(native["expert_map"], num_experts)
+            if lora:
+                _checks.check_token_lora_mapping_values(native["token_lora_mapping"], rows)
+                if native["lora_ids"] is not None:
+                    _checks.check_lora_ids_values(native["lora_ids"], rows)
+        # The kernels read the routes as one contiguous run: a strided view (even one that
+        # flattens to a strided 1-D view) is copied first.
+        flat = (ids if contiguous else ids.copy()).reshape(-1)
 
     bufs = [given[f"{out_arg} {n}"] for n in names] if outs is not None else [None] * len(names)
-    # The kernels read the routes as one contiguous run: a strided view (even one that
-    # flattens to a strided 1-D view) is copied first.
-    flat = (ids if ids.flags.c_contiguous else ids.copy()).reshape(-1)
     job = Job(topk_ids=flat, numel=numel, topk=topk, num_experts=num_experts,
               block_size=block_size, rows=rows, padded_len=P, num_tiles=M,
               sorted_ids=bufs[0], expert_ids=bufs[1], num_post_pad=bufs[2],
@@ -542,10 +549,11 @@ def launch_calls(calls, streams=None, variant=None, stream=None, workspaces=None
 
 def align(op, topk_ids, token_lora_mapping, block_size, num_experts, max_loras, lora_ids,
           adapter_enabled, expert_map, ignore_invalid_experts, pad_sorted_ids, scatter,
-          deterministic, out_base, out_lora, streams, variant, stream, validate, policy):
-    """Every public function's call: ``op`` is "base", "lora" or "pair". Returns the tuple
-    of outputs of each alignment (the base one, the LoRA one, or both). The arguments come
-    positionally (cheaper than by keyword on the prepared path)."""
+          deterministic, out_base, out_lora, streams, variant, stream, validate, policy,
+          typed):
+    """Every public function's call: ``op`` is "base", "lora" or "pair". Returns ``typed``
+    of the list of outputs (the base alignment's, then the LoRA one's): the function's result
+    types. The arguments come positionally (cheaper than by keyword on the prepared path)."""
     outs = ((out_base if op != "lora" else None), (out_lora if op != "base" else None))
     inputs = (topk_ids, token_lora_mapping if op != "base" else None,
               lora_ids if op != "base" else None, adapter_enabled if op != "base" else None,
@@ -560,9 +568,10 @@ def align(op, topk_ids, token_lora_mapping, block_size, num_experts, max_loras, 
         fast = _fast_key(opts, inputs, outs, stream)
         if fast is not None:
             key, ptrs, device_id, stream_ptr, given = fast
-            prep = lookup(_caches.get(device_id, {}), key)
-            if prep is not None:
-                return _split(op, prep.run(ptrs, given, stream_ptr))
+            cache = _caches.get(device_id)
+            prep = cache.get(key) if cache is not None else None
+            if prep is not None and prep.current():
+                return typed(prep.run(ptrs, given, stream_ptr))
     # ---- the full path ----------------------------------------------------------------------
     if max_loras is not None:
         max_loras = _checks.positive_int("max_loras", max_loras, MAX_BUCKETS)
@@ -579,7 +588,7 @@ def align(op, topk_ids, token_lora_mapping, block_size, num_experts, max_loras, 
                              map_mode=map_mode(expert_map, ignore_invalid_experts),
                              pad_sorted_ids=pad_sorted_ids, scatter=scatter,
                              deterministic=deterministic, out=out_base, validate=validate,
-                             out_arg="out_base" if op == "pair" else "out"))
+                             out_arg="out_base" if op == "pair" else "out", stream=stream))
     if op != "base":
         calls.append(prepare(topk_ids, block_size, num_experts, rows=max_loras,
                              token_lora_mapping=token_lora_mapping, lora_ids=lora_ids,
@@ -587,7 +596,7 @@ def align(op, topk_ids, token_lora_mapping, block_size, num_experts, max_loras, 
                              map_mode=MAP_NONE if expert_map is None else MAP_BEFORE,
                              pad_sorted_ids=pad_sorted_ids, deterministic=deterministic,
                              out=out_lora, validate=validate, lora=True,
-                             out_arg="out_lora" if op == "pair" else "out"))
+                             out_arg="out_lora" if op == "pair" else "out", stream=stream))
     if op == "pair":
         check_pair_disjoint(*calls)
     for c in calls:
@@ -595,7 +604,7 @@ def align(op, topk_ids, token_lora_mapping, block_size, num_experts, max_loras, 
     if calls[0].where == _interop.HOST:
         for c in calls:
             run_on_host(c.job)
-        return _split_answers(op, calls)
+        return typed(_answers(calls))
     launched = launch_calls(calls, streams, variant, stream, policy=policy)
     if validate is not True:
         _note_kinds(*inputs, *(outs[0] or ()), *(outs[1] or ()))
@@ -605,7 +614,7 @@ def align(op, topk_ids, token_lora_mapping, block_size, num_experts, max_loras, 
             prep = build_prepared(calls, launched, ptrs, _KINDS[type(topk_ids)], stream_ptr)
             if prep is not None:
                 keep(_caches.setdefault(device_id, {}), key, prep)
-    return _split_answers(op, calls)
+    return typed(_answers(calls))
 
 
 def _fast_key(opts, inputs, outs, stream):
@@ -630,12 +639,5 @@ def _fast_key(opts, inputs, outs, stream):
     return (opts, props, stream_ptr), ptrs, device_id, stream_ptr, given
 
 
-def _split(op, results):
-    if op == "pair":
-        return tuple(results[:3]), tuple(results[3:])
-    return tuple(results)
-
-
-def _split_answers(op, calls):
-    answers = [answer(c) for c in calls]
-    return (answers[0], answers[1]) if op == "pair" else answers[0]
+def _answers(calls):
+    return [x for c in calls for x in answer(c)]

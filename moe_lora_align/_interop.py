@@ -1,7 +1,8 @@
 """Array interop: which framework an array comes from, host or device, and conversions.
 
 The framework is read from the type's module name, so no framework is imported just to check.
-Device arrays (CuPy, PyTorch CUDA, JAX GPU) become CuPy views through DLPack (no copy); host
+Device arrays become CuPy views without a copy (PyTorch CUDA tensors from their pointers, JAX
+GPU arrays through DLPack); host
 arrays (NumPy, PyTorch CPU, JAX CPU) become NumPy views. Results go back in the caller's
 framework. Objects of other libraries are taken through the array protocols: on the GPU
 ``__cuda_array_interface__`` or ``__dlpack__`` (answered as CuPy arrays), on the host
@@ -9,6 +10,8 @@ framework. Objects of other libraries are taken through the array protocols: on 
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 
@@ -80,7 +83,37 @@ def to_native(x, where: str):
         return x
     if fw == "cuda_array_interface":
         return cupy.asarray(x)  # a view: the interface hands over the pointer
+    if fw == "torch":
+        return _torch_view(x)
     return cupy.from_dlpack(x)
+
+
+_TORCH_DTYPES: dict = {}  # torch dtype -> NumPy dtype (None: one NumPy lacks, e.g. bfloat16)
+
+
+def _torch_view(x):
+    """A CuPy view of a CUDA tensor made from its pointer. DLPack would make CuPy's current
+    stream wait on torch's, a dependency on the legacy stream that a torch graph capture
+    refuses; the call instead orders its own work on the caller's stream (``ordered_on``)."""
+    import cupy
+
+    dtype = _TORCH_DTYPES.get(x.dtype, False)
+    if dtype is False:
+        try:
+            dtype = np.dtype(str(x.dtype).split(".")[-1])
+        except TypeError:
+            dtype = None
+        _TORCH_DTYPES[x.dtype] = dtype
+    if dtype is None:
+        return cupy.from_dlpack(x)  # refused by the dtype checks that follow
+    shape, steps = tuple(x.shape), tuple(x.stride())
+    item = dtype.itemsize
+    if x.numel() == 0:
+        return cupy.ndarray(shape, dtype)
+    extent = (1 + sum((n - 1) * s for n, s in zip(shape, steps))) * item
+    mem = cupy.cuda.UnownedMemory(x.data_ptr(), extent, x, x.get_device())
+    return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0),
+                        tuple(s * item for s in steps))
 
 
 def classify(named_arrays: dict, exempt=()):
@@ -129,6 +162,16 @@ def from_native(x, framework: str):
     import jax.numpy as jnp
 
     return jnp.from_dlpack(x) if not isinstance(x, np.ndarray) else jnp.asarray(x)
+
+
+@contextlib.contextmanager
+def ordered_on(framework: str, device_id: int, stream=None):
+    """CuPy's current device and stream set to the call's, for the device work a full call
+    does itself (a copy of a strided input, value checks): ordered with the caller's work."""
+    import cupy
+
+    with cupy.cuda.Device(device_id), caller_stream(framework, device_id, stream):
+        yield
 
 
 def caller_stream(framework: str, device_id: int, stream=None):

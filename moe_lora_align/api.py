@@ -49,6 +49,18 @@ class LoraAlignment(NamedTuple):
     num_tokens_post_pad: Array
 
 
+def _base_result(outputs) -> Union[Alignment, AlignmentWithScatter]:
+    return Alignment(*outputs) if len(outputs) == 3 else AlignmentWithScatter(*outputs)
+
+
+def _lora_result(outputs) -> LoraAlignment:
+    return LoraAlignment(*outputs)
+
+
+def _pair_result(outputs) -> Tuple[Alignment, LoraAlignment]:
+    return Alignment(*outputs[:3]), LoraAlignment(*outputs[3:])
+
+
 def _summary(self) -> str:
     """Routes, tiles, experts and padding, in a line (copies the arrays to the host)."""
     from . import viz
@@ -110,10 +122,10 @@ def moe_align_block_size(topk_ids: Array, block_size: int, num_experts: int,
     """
     # (op, topk_ids, mapping, B, E, max_loras, lora_ids, enabled, expert_map, ignore, pad,
     #  scatter, deterministic, out_base, out_lora, streams, variant, stream, validate, policy)
-    res = _call.align("base", topk_ids, None, block_size, num_experts, None, None, None,
-                      expert_map, ignore_invalid_experts, pad_sorted_ids, return_scatter_idx,
-                      deterministic, out, None, None, variant, stream, validate, policy)
-    return AlignmentWithScatter(*res) if len(res) == 4 else Alignment(*res)
+    return _call.align("base", topk_ids, None, block_size, num_experts, None, None, None,
+                       expert_map, ignore_invalid_experts, pad_sorted_ids, return_scatter_idx,
+                       deterministic, out, None, None, variant, stream, validate, policy,
+                       _base_result)
 
 
 def moe_lora_align_block_size(topk_ids: Array, token_lora_mapping: Array, block_size: int,
@@ -151,10 +163,10 @@ def moe_lora_align_block_size(topk_ids: Array, token_lora_mapping: Array, block_
     Returns:
         ``LoraAlignment(sorted_token_ids, expert_ids, num_tokens_post_pad)``.
     """
-    res = _call.align("lora", topk_ids, token_lora_mapping, block_size, num_experts,
-                      max_loras, lora_ids, adapter_enabled, expert_map, False, pad_sorted_ids,
-                      False, deterministic, None, out, None, variant, stream, validate, policy)
-    return LoraAlignment(*res)
+    return _call.align("lora", topk_ids, token_lora_mapping, block_size, num_experts,
+                       max_loras, lora_ids, adapter_enabled, expert_map, False, pad_sorted_ids,
+                       False, deterministic, None, out, None, variant, stream, validate, policy,
+                       _lora_result)
 
 
 def align_moe_and_lora(topk_ids: Array, token_lora_mapping: Array, block_size: int,
@@ -180,8 +192,8 @@ def align_moe_and_lora(topk_ids: Array, token_lora_mapping: Array, block_size: i
     on the caller's stream; ``None`` lets the dispatcher choose (fused where it can run). On
     the host both simply run.
     """
-    base, lora = _call.align("pair", topk_ids, token_lora_mapping, block_size, num_experts,
-                             max_loras, lora_ids, adapter_enabled, expert_map,
-                             ignore_invalid_experts, pad_sorted_ids, False, deterministic,
-                             out_base, out_lora, streams, variant, stream, validate, policy)
-    return Alignment(*base), LoraAlignment(*lora)
+    return _call.align("pair", topk_ids, token_lora_mapping, block_size, num_experts,
+                       max_loras, lora_ids, adapter_enabled, expert_map,
+                       ignore_invalid_experts, pad_sorted_ids, False, deterministic,
+                       out_base, out_lora, streams, variant, stream, validate, policy,
+                       _pair_result)

@@ -209,7 +209,7 @@ class AlignPlan:
                                map_mode=_call.map_mode(expert_map, self.ignore_invalid_experts),
                                pad_sorted_ids=self.pad_sorted_ids,
                                deterministic=self.deterministic, out=base_out,
-                               fill_unprocessed=True, plan_outputs=True)]
+                               fill_unprocessed=True, plan_outputs=True, stream=stream)]
         if self.max_loras is not None:
             calls.append(_call.prepare(
                 topk_ids, self.block_size, self.num_experts, rows=self.max_loras,
@@ -217,7 +217,8 @@ class AlignPlan:
                 adapter_enabled=adapter_enabled, expert_map=expert_map,
                 map_mode=MAP_NONE if expert_map is None else MAP_BEFORE,
                 pad_sorted_ids=self.pad_sorted_ids, deterministic=self.deterministic,
-                out=lora_out, lora=True, fill_unprocessed=True, plan_outputs=True))
+                out=lora_out, lora=True, fill_unprocessed=True, plan_outputs=True,
+                stream=stream))
         with _on_device(self.device_id):
             if len(calls) == 1:
                 launched = _call.launch_calls(calls, None, self.variant, stream,

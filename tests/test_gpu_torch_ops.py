@@ -156,3 +156,54 @@ def test_ops_under_cuda_graph_capture(op):
         graph.replay()
         torch.cuda.synchronize()
         _check_sides(*(captured if op == "public" else read()), ids, mapping)
+
+
+# ---- the full path with torch tensors: ordered on torch's stream, legal inside a capture ---
+def test_full_path_call_inside_a_torch_capture():
+    # out= buffers of a new length: a call unlike any before it, so not a prepared one. Its
+    # stream's workspace is ready (the warm-up), so it may be captured: converting the tensors
+    # must not touch the legacy stream, which a torch capture refuses.
+    ids, _ = _inputs(40)
+    t = torch.from_numpy(ids).cuda()
+    P, M = mla.buffer_sizes(T * K, E, B)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        mla.moe_align_block_size(t, B, E, out=[torch.empty(n, dtype=torch.int32, device="cuda")
+                                               for n in (P, M, 1)])
+    torch.cuda.synchronize()
+    out = [torch.full((n,), -7, dtype=torch.int32, device="cuda") for n in (P + 4, M + 4, 1)]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        mla.moe_align_block_size(t, B, E, out=out)
+    ids, _ = _inputs(41)
+    t.copy_(torch.from_numpy(ids))
+    graph.replay()
+    torch.cuda.synchronize()
+    _check_sides((out[0][:P], out[1][:M], out[2]), None, ids, None)
+
+
+def test_full_path_work_is_ordered_on_torchs_stream():
+    # A late producer on a torch side stream (non-blocking) writes the routes and the mapping
+    # over invalid values. validate=True reads the mapping and a strided topk_ids is copied:
+    # both must wait for the producer, as the kernels do.
+    import cupy
+
+    from gpu_util import delayed_copy
+
+    ids, mapping = _inputs(42)
+    wide = np.repeat(ids, 2, axis=1)  # topk_ids = wide[:, ::2], a strided view
+    src_ids, src_map = torch.from_numpy(wide).cuda(), torch.from_numpy(mapping).cuda()
+    t_wide = torch.full_like(src_ids, 10**6)
+    t_map = torch.full_like(src_map, 10**6)
+    delayed_copy(cupy.zeros(1, np.int32), cupy.zeros(1, np.int32), 0)  # compiled here
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        with cupy.cuda.ExternalStream(side.cuda_stream):
+            delayed_copy(cupy.from_dlpack(src_ids).reshape(-1),
+                         cupy.from_dlpack(t_wide).reshape(-1), 20_000_000)
+            delayed_copy(cupy.from_dlpack(src_map), cupy.from_dlpack(t_map), 0)
+        base = mla.moe_align_block_size(t_wide[:, ::2], B, E, validate=True)
+        lora = mla.moe_lora_align_block_size(t_wide[:, ::2], t_map, B, E, L, validate=True)
+    torch.cuda.synchronize()
+    _check_sides(base, lora, ids, mapping)
