@@ -375,8 +375,7 @@ class Prepared:
         self.checked = list(ptrs)
 
     def _allocate(self, stream_ptr):
-        """New outputs in one allocation (each 16-byte aligned); returns (arrays, their
-        addresses). The cheapest pieces measured on the H200 host: CuPy's pool allocation
+        """New outputs in one allocation (``OutLayout``); returns (arrays, their addresses). The cheapest pieces measured on the H200 host: CuPy's pool allocation
         with an array made on each slice of it, torch's one ``empty`` split into views."""
         if _fast["is_capturing"](stream_ptr) != 0:
             from ._launch import CAPTURE_HINT
@@ -394,24 +393,30 @@ class Prepared:
                                        device=self.framework_device)
             base = buf.data_ptr()
             parts = buf.split_with_sizes(layout.pieces)
-            views = tuple([parts[2 * i] if len(shape) == 1 else parts[2 * i].view(shape)
-                           for i, shape in enumerate(layout.shapes)])
+            views = tuple([parts[p] if len(shape) == 1 else parts[p].view(shape)
+                           for p, shape in zip(layout.parts, layout.shapes)])
         return views, [base + 4 * off for off in layout.offsets]
 
 
 class OutLayout:
-    """Where the outputs of an allocating call sit in its one allocation: entry offsets,
-    each 16-byte aligned, and the split (output, gap, output, gap, ...) torch cuts it by."""
+    """Where the outputs of an allocating call sit in its one allocation: entry offsets, and
+    the pieces torch splits it into (``parts[i]``: the piece of output ``i``). ``aligned``
+    starts each output on 16 bytes (the kernels' vector stores; free for CuPy's views) with
+    a gap piece after it; torch leaves the gaps out: each piece is a tensor made per call,
+    and the kernels fall back to scalar stores where a start is not aligned."""
 
-    def __init__(self, shapes):
+    def __init__(self, shapes, aligned=True):
         self.shapes = list(shapes)
-        self.offsets, self.pieces, off = [], [], 0
+        self.offsets, self.pieces, self.parts, off = [], [], [], 0
         for shape in self.shapes:
             n = _count(shape)
             self.offsets.append(off)
-            aligned = -(-n // 4) * 4
-            self.pieces += [n, aligned - n]
-            off += aligned
+            self.parts.append(len(self.pieces))
+            self.pieces.append(n)
+            step = -(-n // 4) * 4 if aligned else n
+            if step > n:
+                self.pieces.append(step - n)
+            off += step
         self.entries, self.nbytes = off, 4 * off
 
 
@@ -498,7 +503,8 @@ def build_prepared(calls, launched, ptrs, kind, stream_ptr, fixed=None):
     out_layout = None
     spans = None
     if calls[0].out_shapes is not None:
-        out_layout = OutLayout([shape for c in calls for shape in c.out_shapes])
+        out_layout = OutLayout([shape for c in calls for shape in c.out_shapes],
+                               aligned=kind == "cupy")
     else:
         sizes, names = [], ["topk_ids", "token_lora_mapping", "lora_ids", "adapter_enabled",
                             "expert_map"]

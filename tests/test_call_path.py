@@ -217,13 +217,20 @@ def test_public_call_takes_the_prepared_path_end_to_end(monkeypatch):
         mla.moe_align_block_size(new_ids, 8, 4, out=new_out)
 
 
+@pytest.mark.parametrize("aligned", [True, False])
 @pytest.mark.parametrize("shapes", [[(20,), (5,), (1,)], [(3, 20), (3, 5), (3,)],
                                     [(20,), (5,), (1,), (8,), (3, 21), (3, 7), (3,)]])
-def test_allocating_layout_is_aligned_and_splits_exactly(shapes):
-    layout = _call.OutLayout(shapes)
+def test_allocating_layout_splits_exactly(shapes, aligned):
+    layout = _call.OutLayout(shapes, aligned)
     sizes = [int(np.prod(s)) for s in shapes]
-    assert [off % 4 for off in layout.offsets] == [0] * len(shapes)  # 16-byte aligned
+    if aligned:
+        assert [off % 4 for off in layout.offsets] == [0] * len(shapes)  # 16-byte aligned
+    else:
+        assert layout.pieces == sizes  # torch: one tensor per output, no gap pieces
     for i, (off, n) in enumerate(zip(layout.offsets, sizes)):
-        assert layout.pieces[2 * i] == n and sum(layout.pieces[:2 * i]) == off
-        assert 0 <= layout.pieces[2 * i + 1] < 4
+        p = layout.parts[i]
+        assert layout.pieces[p] == n and sum(layout.pieces[:p]) == off
+        gap = layout.pieces[p + 1] if p + 1 < len(layout.pieces) and p + 1 not in layout.parts \
+            else 0
+        assert 0 <= gap < 4 and (gap == 0 or aligned)
     assert sum(layout.pieces) == layout.entries and layout.nbytes == 4 * layout.entries
