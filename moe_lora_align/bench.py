@@ -188,6 +188,7 @@ def eager_paths(op, ids, d, T, K, E, B, L, stream, check):
         fns["torch_alloc"] = public(td, None)
         ts = torch.cuda.ExternalStream(stream.ptr)
         contexts = {k: (lambda: torch.cuda.stream(ts)) for k in ("torch_out", "torch_alloc")}
+    cupy.cuda.Device().synchronize()  # the out= fills (default streams) before any call
     for name, fn in fns.items():
         ctx = contexts.get(name, lambda: None)
         with stream:
@@ -296,8 +297,11 @@ def bench_single(row, kind, stream, quick):
         if L:
             P, M = mla.buffer_sizes(T * K, E, B)
             # Rows of slots no call processes keep what out= held: the empty alignment.
-            out = [cupy.full((L, P), T * K, np.int32), cupy.full((L, M), -1, np.int32),
-                   cupy.zeros(L, np.int32)]
+            # Filled on the call's stream, so the fills come first (racecheck's slow kernels
+            # showed a fill on another stream landing after the call).
+            with stream:
+                out = [cupy.full((L, P), T * K, np.int32), cupy.full((L, M), -1, np.int32),
+                       cupy.zeros(L, np.int32)]
             fn = lambda: mla.moe_lora_align_block_size(  # noqa: E731
                 d_ids, dm, B, E, L, lora_ids=dl, adapter_enabled=de, out=out, stream=stream,
                 **opts)
