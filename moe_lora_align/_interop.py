@@ -109,7 +109,8 @@ def _torch_view(x):
     shape, steps = tuple(x.shape), tuple(x.stride())
     item = dtype.itemsize
     if x.numel() == 0:
-        return cupy.ndarray(shape, dtype)
+        with cupy.cuda.Device(x.get_device()):  # its device, for the same-device check
+            return cupy.ndarray(shape, dtype)
     extent = (1 + sum((n - 1) * s for n, s in zip(shape, steps))) * item
     mem = cupy.cuda.UnownedMemory(x.data_ptr(), extent, x, x.get_device())
     return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0),

@@ -311,6 +311,34 @@ def test_torch_interop():
         np.testing.assert_array_equal(a.cpu().numpy(), b)
 
 
+@pytest.mark.parametrize("case", ["empty", "int64", "transposed", "expanded", "offset"])
+def test_torch_tensors_of_every_layout(case):
+    # Torch tensors enter as CuPy views made from their pointers: shapes, strides (a zero
+    # stride too), a storage offset and dtypes must come through as DLPack would bring them.
+    torch = pytest.importorskip("torch")
+    E, B, K = 16, 4, 3
+    ids = make_routing(np.random.default_rng(21), 0 if case == "empty" else 9, K, E,
+                       np.int64 if case == "int64" else np.int32)
+    t = torch.as_tensor(ids, device="cuda")
+    if case == "transposed":
+        t = torch.as_tensor(np.ascontiguousarray(ids.T), device="cuda").T
+    elif case == "expanded":
+        ids = np.repeat(ids[:1], 9, axis=0)
+        t = torch.as_tensor(ids[:1], device="cuda").expand(9, K)
+    elif case == "offset":
+        t = torch.as_tensor(np.concatenate([ids, ids[::-1]]), device="cuda")[9:]
+        ids = ids[::-1].copy()
+    assert t.stride() != (K, 1) or case in ("empty", "int64", "offset")
+    got = mla.moe_align_block_size(t, B, E)
+    want = mla.moe_align_block_size(ids, B, E)
+    torch.cuda.synchronize()
+    starts = segment_starts(ids, E, B)
+    np.testing.assert_array_equal(canonical(got[0].cpu().numpy()[None], starts),
+                                  canonical(want[0][None], starts))
+    np.testing.assert_array_equal(got[1].cpu().numpy(), want[1])
+    np.testing.assert_array_equal(got[2].cpu().numpy(), want[2])
+
+
 def test_mixed_host_and_device_is_an_error():
     ids = cupy.zeros((4, 2), dtype=cupy.int32)
     with pytest.raises(ValueError, match="host"):
