@@ -492,6 +492,37 @@ def table(results):
     return "\n".join(lines)
 
 
+# Issue 15's eager targets, µs per call: (cap at decode sizes, T <= 64; most above the plan's
+# figure in the same row, at every size); LoRA and base + LoRA rows get EAGER_LORA_EXTRA more.
+EAGER_TARGETS = {"cupy_out": (10, 4), "cupy_alloc": (14, 8), "torch_out": (12, 6),
+                 "torch_alloc": (22, 14)}
+EAGER_LORA_EXTRA = 3
+DECODE_TOKENS = 64
+
+
+def eager_target_misses(results):
+    """``(cells checked, [text of each miss])`` of the eager table against EAGER_TARGETS."""
+    checked, misses = 0, []
+    for r in results:
+        eager = r.get("eager") or {}
+        plan = eager.get("plan")
+        if plan is None:
+            continue
+        extra = 0 if r["op"] == "base" else EAGER_LORA_EXTRA
+        where = (f"{r['op']} T={r['tokens']} E={r['num_experts']} "
+                 f"{r.get('routing', 'uniform')}")
+        for path, (cap, over) in EAGER_TARGETS.items():
+            us = eager.get(path)
+            if us is None:
+                continue
+            checked += 1
+            if r["tokens"] <= DECODE_TOKENS and us > cap + extra:
+                misses.append(f"{where} {path} {us:.2f} > decode cap {cap + extra}")
+            elif us > plan + over + extra:
+                misses.append(f"{where} {path} {us:.2f} > plan {plan:.2f} + {over + extra}")
+    return checked, misses
+
+
 def eager_table(results):
     """Eager µs per call of each public path (host µs per call in brackets), back to back."""
     lines = [f"{'eager':5} {'T':>6} {'E':>5} {'K':>3} {'B':>4} {'L':>3} {'route':8} "
@@ -508,6 +539,11 @@ def eager_table(results):
                  "100 calls, medians. plan: an AlignPlan; cupy_/torch_: the public function "
                  "with CuPy arrays / torch tensors, out= given or allocating; pair rows: "
                  "align_moe_and_lora.")
+    checked, misses = eager_target_misses(results)
+    if checked:
+        lines.append(f"eager targets (issue 15; bench.EAGER_TARGETS): {checked - len(misses)} "
+                     f"of {checked} cells met" + (", missed:" if misses else ""))
+        lines += [f"  {m}" for m in misses]
     return lines
 
 

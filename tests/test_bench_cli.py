@@ -44,3 +44,18 @@ def test_benchmark_check_accepts_free_order_and_catches_swaps():
     got[0][0][0], got[0][0][last] = got[0][0][last], got[0][0][0]
     with pytest.raises(AssertionError, match="sorted_token_ids"):
         bench.check_against_numpy(got, ref, lambda: starts)
+
+
+def test_eager_targets_check_caps_at_decode_and_the_plan_everywhere():
+    from moe_lora_align import bench
+
+    row = lambda op, T, **eager: dict(op=op, tokens=T, num_experts=64, eager=eager)  # noqa
+    results = [row("base", 1, plan=6.0, cupy_out=9.9, cupy_alloc=14.1),   # cap 14 missed
+               row("base", 4096, plan=9.0, cupy_out=13.5, torch_alloc=23.0),  # 9 + 4 missed
+               row("lora", 16, plan=8.0, cupy_out=12.9, torch_out=15.0),  # caps + 3: met
+               row("pair", 256, plan=9.0, cupy_alloc=20.0),                  # 9 + 8 + 3: met
+               dict(op="base", tokens=1, num_experts=64)]                    # no eager run
+    checked, misses = bench.eager_target_misses(results)
+    assert checked == 7
+    assert misses == ["base T=1 E=64 uniform cupy_alloc 14.10 > decode cap 14",
+                      "base T=4096 E=64 uniform cupy_out 13.50 > plan 9.00 + 4"]
