@@ -2,11 +2,10 @@
 
 The framework is read from the type's module name, so no framework is imported just to check.
 Device arrays become CuPy views without a copy (PyTorch CUDA tensors from their pointers, JAX
-GPU arrays through DLPack); host
-arrays (NumPy, PyTorch CPU, JAX CPU) become NumPy views. Results go back in the caller's
-framework. Objects of other libraries are taken through the array protocols: on the GPU
-``__cuda_array_interface__`` or ``__dlpack__`` (answered as CuPy arrays), on the host
-``__dlpack__`` or ``__array__`` (answered as NumPy arrays).
+GPU arrays through DLPack); host arrays (NumPy, PyTorch CPU, JAX CPU) become NumPy views.
+Results go back in the caller's framework. Objects of other libraries are taken through the
+array protocols: on the GPU ``__cuda_array_interface__`` or ``__dlpack__`` (answered as CuPy
+arrays), on the host ``__dlpack__`` or ``__array__`` (answered as NumPy arrays).
 """
 
 from __future__ import annotations

@@ -492,8 +492,9 @@ def table(results):
     return "\n".join(lines)
 
 
-# Issue 15's eager targets, µs per call: (cap at decode sizes, T <= 64; most above the plan's
-# figure in the same row, at every size); LoRA and base + LoRA rows get EAGER_LORA_EXTRA more.
+# Issue 15's eager targets, µs per call: (cap at decode sizes, T <= 64; the most above the
+# plan's figure in the same row, at every size); LoRA and base + LoRA rows get
+# EAGER_LORA_EXTRA more on both.
 EAGER_TARGETS = {"cupy_out": (10, 4), "cupy_alloc": (14, 8), "torch_out": (12, 6),
                  "torch_alloc": (22, 14)}
 EAGER_LORA_EXTRA = 3
