@@ -19,6 +19,8 @@ TINY_ITEMS = 4                # TINY_ITEMS: align_tiny's routes a thread
 TINY_BUCKETS = 4              # TINY_BUCKETS: align_tiny's buckets a thread when buckets
                               #   outnumber threads
 COOP_ITEMS = 8                # COOP_ITEMS: the cooperative kernels' routes a thread, at most
+CLUSTER_BLOCKS = 8            # CLUSTER_BLOCKS: blocks of align_cluster's one cluster
+CLUSTER_ITEMS = 8             # CLUSTER_ITEMS: align_cluster's routes a thread, at most
 SINGLE_BLOCK_MAX_ROUTES = BLOCK * ITEMS_PER_THREAD
 WARP_COUNTER_MAX = 65535      # unsigned short per-warp counters bound a deterministic chunk
 SMEM_SLACK = 512              # bytes of a block's shared memory kept for the kernels' static
@@ -42,6 +44,13 @@ class AlignPolicy:
     buckets_per_thread: int = 4          # buckets a thread of align_single zeroes and scans
     # Above this many output entries the cooperative launch beats one block.
     coop_over_single_entries: int = 81920
+    # One cluster of CLUSTER_BLOCKS blocks (sm_90+, not deterministic) from this many routes
+    # up to this many (0: never); its blocks get cluster_routes_per_thread routes a thread,
+    # at least cluster_min_block threads.
+    cluster_min_routes: int = 2048
+    cluster_max_routes: int = 0
+    cluster_routes_per_thread: int = 2
+    cluster_min_block: int = 256
     # Multi-block launches.
     fill_per_block: int = 8192           # sentinel entries a count block fills, about
     chunk_matrix_budget: int = 1 << 18   # entries of the deterministic [chunks, buckets] matrix
@@ -51,8 +60,9 @@ DEFAULT_POLICY = AlignPolicy()
 
 # "shared" / "global": where the counting histogram lives (one block at decode sizes, else a
 # count and a place launch); "cooperative": shared histograms, one launch of resident blocks
-# with a grid-wide barrier between counting and placing.
-VARIANTS = ("shared", "global", "cooperative")
+# with a grid-wide barrier between counting and placing; "cluster": one launch of one
+# thread-block cluster (sm_90 and newer), the blocks meeting at the cluster's barrier.
+VARIANTS = ("shared", "global", "cooperative", "cluster")
 
 
 # The kernels' MODE template argument (kernels/align_kernels.cu: MODE_*).
@@ -64,6 +74,7 @@ class DeviceLimits:
     sm_count: int
     smem_optin: int           # MaxSharedMemoryPerBlockOptin, bytes
     cooperative: bool = False  # the device and the launcher can issue cooperative launches
+    clusters: bool = False    # thread-block clusters (compute capability 9.0 and newer)
 
     @property
     def dynamic_smem(self) -> int:
@@ -72,26 +83,27 @@ class DeviceLimits:
 
     @classmethod
     def h200(cls):
-        return cls(sm_count=132, smem_optin=232448, cooperative=True)
+        return cls(sm_count=132, smem_optin=232448, cooperative=True, clusters=True)
 
 
 @dataclass(frozen=True)
 class Launch:
-    """How one alignment runs: ``single`` (one block, one launch), ``multi`` (count, place)
-    or ``cooperative`` (one launch of resident blocks, a grid barrier inside)."""
-    variant: str              # "shared", "global" or "cooperative"
-    kind: str                 # "single", "multi" or "cooperative"
+    """How one alignment runs: ``single`` (one block, one launch), ``multi`` (count, place),
+    ``cooperative`` (one launch of resident blocks, a grid barrier inside) or ``cluster``
+    (one launch of one cluster of CLUSTER_BLOCKS blocks; a fused pair: two clusters)."""
+    variant: str              # "shared", "global", "cooperative" or "cluster"
+    kind: str                 # "single", "multi", "cooperative" or "cluster"
     deterministic: bool
     block: int                # threads per block
     grid: int = 1             # blocks of each launch (multi: of the place kernel)
     count_grid: int = 1       # multi: blocks of the count kernel (>= grid; extra ones fill)
-    chunk: int = 0            # routes per chunk (multi)
+    chunk: int = 0            # routes per chunk (multi, cooperative, cluster: per block)
     range_width: int = 0      # buckets per block (deterministic multi)
     ranges: int = 1           # bucket ranges per chunk (deterministic multi)
     smem_single: int = 0      # dynamic shared bytes of the single-block kernel
     smem_count: int = 0       # dynamic shared bytes of the count kernel
-    smem_place: int = 0       # dynamic shared bytes of the place kernel (cooperative: of its
-                              #   one kernel)
+    smem_place: int = 0       # dynamic shared bytes of the place kernel (cooperative and
+                              #   cluster: of their one kernel)
     starts_in_smem: bool = False  # place kernel copies the segment starts to shared memory
     stage_output: bool = False    # place kernel stages routes for coalesced stores (shared)
     tiny: bool = False            # single: align_tiny (a thread per bucket), not align_single
@@ -151,6 +163,11 @@ def smem_cooperative(num_buckets: int, rows: int, chunk: int, deterministic: boo
     bucket_of_k[chunk], then (deterministic) warp_counts[32 * even(nb)] ushort."""
     det = 2 * (BLOCK // 32) * _even(num_buckets) if deterministic else 0
     return row_region_bytes(rows) + 4 * (3 * num_buckets + 2) + 8 * chunk + det
+
+
+def smem_cluster(num_buckets: int, rows: int) -> int:
+    """align_cluster: hist[nb], starts[nb + 1], before[nb]."""
+    return row_region_bytes(rows) + 4 * (3 * num_buckets + 1)
 
 
 def shared_fits(num_buckets: int, rows: int, limits: DeviceLimits) -> bool:
@@ -251,6 +268,39 @@ def _cooperative(numel, num_buckets, rows, limits, out_entries, deterministic=Fa
                   smem_place=smem)
 
 
+def cluster_block_threads(numel: int, policy: AlignPolicy = DEFAULT_POLICY) -> int:
+    """Threads of each align_cluster block: ``cluster_routes_per_thread`` routes a thread of
+    the block's chunk, at least ``cluster_min_block`` (the fill and the scan spread over
+    them), at most BLOCK; whole warps."""
+    chunk = _ceil_div(max(numel, 1), CLUSTER_BLOCKS)
+    want = max(policy.cluster_min_block,
+               _ceil_div(chunk, max(1, policy.cluster_routes_per_thread)),
+               _ceil_div(chunk, CLUSTER_ITEMS))
+    return min(BLOCK, _ceil_div(want, 32) * 32)
+
+
+def _cluster(numel, num_buckets, rows, limits, deterministic=False,
+             policy: AlignPolicy = DEFAULT_POLICY):
+    """align_cluster's geometry, or None where it cannot run: no clusters on the device,
+    deterministic ranks (not implemented there), more routes than the cluster's threads hold
+    (CLUSTER_ITEMS each) or a histogram that does not fit (12 bytes a bucket)."""
+    if not limits.clusters or deterministic:
+        return None
+    if numel > CLUSTER_BLOCKS * CLUSTER_ITEMS * BLOCK:
+        return None
+    smem = smem_cluster(num_buckets, rows)
+    if smem > limits.dynamic_smem:
+        return None
+    block = cluster_block_threads(numel, policy)
+    return Launch("cluster", "cluster", False, block, grid=CLUSTER_BLOCKS,
+                  chunk=_ceil_div(max(numel, 1), CLUSTER_BLOCKS), smem_place=smem)
+
+
+def in_cluster_range(numel: int, policy: AlignPolicy) -> bool:
+    """The policy hands alignments of ``numel`` routes to one cluster where it can run."""
+    return policy.cluster_min_routes <= numel <= policy.cluster_max_routes
+
+
 def choose_launch(numel: int, num_buckets: int, rows: int, limits: DeviceLimits, *,
                   deterministic: bool = False, variant: str | None = None,
                   out_entries: int = 0, policy: AlignPolicy = DEFAULT_POLICY) -> Launch:
@@ -260,8 +310,10 @@ def choose_launch(numel: int, num_buckets: int, rows: int, limits: DeviceLimits,
     (``rows * (P + M)``), which sizes the single block and the fill's share of blocks.
     ``variant`` forces a kernel family: "shared" (one block, else count + place with shared
     histograms), "global" (count + place, global counters) or "cooperative" (one launch of
-    resident blocks); forcing one that cannot run these sizes raises ``ValueError``. Left to
-    itself the dispatcher picks one block at decode sizes, else the cooperative launch where it
+    resident blocks) or "cluster" (one cluster of blocks, sm_90 and newer); forcing one that
+    cannot run these sizes raises ``ValueError``. Left to itself the dispatcher picks one
+    cluster between the policy's ``cluster_min_routes`` and ``cluster_max_routes`` where the
+    device has clusters, else one block at decode sizes, else the cooperative launch where it
     fits, else count + place.
     """
     if variant is not None and variant not in VARIANTS:
@@ -269,6 +321,12 @@ def choose_launch(numel: int, num_buckets: int, rows: int, limits: DeviceLimits,
     if variant == "cooperative":
         return _forced_cooperative(numel, num_buckets, rows, limits, deterministic, out_entries,
                                    policy)
+    if variant == "cluster":
+        return _forced_cluster(numel, num_buckets, rows, limits, deterministic, policy)
+    if variant is None and in_cluster_range(numel, policy):
+        cluster = _cluster(numel, num_buckets, rows, limits, deterministic, policy)
+        if cluster is not None:
+            return cluster
     coop = None
     if variant is None:
         coop = _cooperative(numel, num_buckets, rows, limits, out_entries, deterministic,
@@ -357,6 +415,37 @@ def _forced_cooperative(numel, num_buckets, rows, limits, deterministic, out_ent
         raise ValueError(f"variant='cooperative' cannot run this alignment: {why}; use "
                          "variant='shared' or 'global', or leave variant unset")
     return coop
+
+
+def _forced_cluster(numel, num_buckets, rows, limits, deterministic, policy):
+    cluster = _cluster(numel, num_buckets, rows, limits, deterministic, policy)
+    if cluster is None:
+        if not limits.clusters:
+            why = "this device has no thread-block clusters (compute capability 9.0 or newer)"
+        elif deterministic:
+            why = "it does not rank routes deterministically"
+        elif numel > CLUSTER_BLOCKS * CLUSTER_ITEMS * BLOCK:
+            why = (f"{numel} routes are more than its {CLUSTER_BLOCKS} blocks hold "
+                   f"({CLUSTER_ITEMS * BLOCK} each)")
+        else:
+            why = (f"its shared memory for {num_buckets} buckets exceeds the "
+                   f"{limits.dynamic_smem} bytes a block may have")
+        raise ValueError(f"variant='cluster' cannot run this alignment: {why}; use another "
+                         "variant or leave variant unset")
+    return cluster
+
+
+def choose_cluster_pair(numel: int, base_buckets: int, lora_buckets: int, rows: int,
+                        limits: DeviceLimits, policy: AlignPolicy = DEFAULT_POLICY):
+    """Base and LoRA in one launch of two clusters (cluster 0 base, cluster 1 LoRA): both
+    sides have the same routes, so one geometry serves both, with the larger side's shared
+    memory; None where align_cluster cannot run either side."""
+    base = _cluster(numel, base_buckets, 1, limits, policy=policy)
+    lora = _cluster(numel, lora_buckets, rows, limits, policy=policy)
+    if base is None or lora is None:
+        return None
+    return Launch("cluster", "cluster", False, lora.block, grid=2 * CLUSTER_BLOCKS,
+                  chunk=lora.chunk, smem_place=max(base.smem_place, lora.smem_place))
 
 
 def _room(smem: int, limits: DeviceLimits) -> bool:
@@ -469,6 +558,10 @@ def kernel_demands(launch, numel: int, sides) -> list:
                    for nb, r in sides)
         return [("tiny" if launch.tiny else "single", launch.grid, launch.block,
                  launch.smem_single, need)]
+    if launch.kind == "cluster":
+        need = max(smem_cluster(nb, r) for nb, r in sides)
+        return [("cluster" if len(sides) == 1 else "cluster_pair", launch.grid, launch.block,
+                 launch.smem_place, need)]
     (nb, rows), = sides
     if launch.kind == "cooperative":
         return [("cooperative", launch.grid, launch.block, launch.smem_place,
@@ -504,6 +597,13 @@ def check_launch(launch, numel: int, sides, limits: DeviceLimits) -> None:
             blocks = grid // launch.ranges if kernel == "count" else grid
             if per_block * blocks < numel or (kernel == "count" and grid < launch.grid):
                 why = f"{blocks} chunks of {per_block} routes do not cover {numel} routes"
+        if why is None and kernel.startswith("cluster"):
+            if grid != CLUSTER_BLOCKS * len(sides):
+                why = f"a grid of {grid} blocks, not one cluster of {CLUSTER_BLOCKS} a side"
+            elif (launch.chunk * CLUSTER_BLOCKS < numel
+                  or launch.chunk > CLUSTER_ITEMS * block):
+                why = (f"{CLUSTER_BLOCKS} chunks of {launch.chunk} routes, at most "
+                       f"{CLUSTER_ITEMS} a thread of {block}, do not cover {numel} routes")
         if why is not None:
             raise LaunchRefused(f"refusing to launch align_{kernel} for {numel} routes over "
                                 f"{', '.join(str(nb) for nb, _ in sides)} buckets: {why}")

@@ -43,7 +43,8 @@ def device_limits(device_id: int) -> _dispatch.DeviceLimits:
     return _dispatch.DeviceLimits(sm_count=int(attrs["MultiProcessorCount"]),
                                   smem_optin=int(attrs["MaxSharedMemoryPerBlockOptin"]),
                                   cooperative=bool(attrs.get("CooperativeLaunch", 0))
-                                  and _direct_launcher(cooperative=True) is not None)
+                                  and _direct_launcher(cooperative=True) is not None,
+                                  clusters=int(attrs.get("ComputeCapabilityMajor", 0)) >= 9)
 
 
 @functools.lru_cache(maxsize=None)
@@ -308,6 +309,8 @@ def out_entries(job: Job) -> int:
 
 
 def workspace_needs(launch: _dispatch.Launch, num_buckets: int):
+    if launch.kind == "cluster":
+        return 1, 0  # align_cluster keeps nothing in global scratch
     # Per-chunk offsets of every bucket: deterministic and shared multi-block modes.
     matrix = (launch.grid // launch.ranges) * num_buckets if launch.mode in (0, 2) and \
         launch.kind == "multi" else 0
@@ -353,6 +356,10 @@ def launch_one(job: Job, launch: _dispatch.Launch, ws: Workspace, stream, device
         launch_kernel(ks, ("cooperative", launch.deterministic), launch.grid, launch.block,
                       launch.smem_place, stream, job, cooperative=True)
         return
+    if launch.kind == "cluster":
+        launch_kernel(ks, ("cluster", False), launch.grid, launch.block, launch.smem_place,
+                      stream, job)
+        return
     launch_kernel(ks, ("count", launch.mode), launch.count_grid, launch.block,
                   launch.smem_count, stream, job)
     launch_kernel(ks, ("place", launch.mode), launch.grid, launch.block, launch.smem_place,
@@ -371,7 +378,8 @@ def _current(stream):
 def launch_pair(base: Job, lora: Job, launch, ws_base: Workspace, ws_lora: Workspace, stream,
                 device_id: int):
     """Both alignments in one launch: two blocks (decode sizes, ``launch`` a single-block
-    ``Launch``) or a cooperative launch split between them (``CooperativePair``)."""
+    ``Launch``), two clusters (a cluster ``Launch``) or a cooperative launch split between
+    them (``CooperativePair``)."""
     ks = kernels_for(base.topk_ids.dtype, device_id,
                      device_limits(device_id).smem_optin)
     if isinstance(launch, _dispatch.CooperativePair):
@@ -386,6 +394,10 @@ def launch_pair(base: Job, lora: Job, launch, ws_base: Workspace, ws_lora: Works
     ws_lora.ensure(1, 0, stream)
     pack(base, launch, ws_base)
     pack(lora, launch, ws_lora)
+    if launch.kind == "cluster":
+        launch_kernel(ks, ("cluster_pair", False), launch.grid, launch.block, launch.smem_place,
+                      stream, base, lora)
+        return
     key = ("tiny_pair" if launch.tiny else "pair", launch.deterministic)
     launch_kernel(ks, key, 2, launch.block, launch.smem_single, stream, base, lora)
 
@@ -448,13 +460,17 @@ def run(job: Job, device_id: int, framework: str, *, variant=None, stream=None,
 
 def choose_streams(base: Job, lora: Job, device_id: int, streams=None, variant=None,
                    policy: _dispatch.AlignPolicy = _dispatch.DEFAULT_POLICY):
-    """Pick how base + LoRA run: ``fused`` (one launch: two blocks at decode sizes, else a
-    cooperative launch split between them), ``one`` (both on the caller's stream) or ``two``
-    (forked onto two side streams); ``streams`` was checked where the call entered.
-    Returns (mode, fused launch or None)."""
+    """Pick how base + LoRA run: ``fused`` (one launch: two clusters in the policy's cluster
+    range, two blocks at decode sizes, else a cooperative launch split between them),
+    ``one`` (both on the caller's stream) or ``two`` (forked onto two side streams);
+    ``streams`` was checked where the call entered. Returns (mode, fused launch or None)."""
     limits = device_limits(device_id)
     pair = None
-    if variant in (None, "shared"):
+    if (variant == "cluster" or (variant is None and not base.deterministic
+                                 and _dispatch.in_cluster_range(base.numel, policy))):
+        pair = _dispatch.choose_cluster_pair(base.numel, base.num_buckets, lora.num_buckets,
+                                             lora.rows, limits, policy)
+    if pair is None and variant in (None, "shared"):
         pair = _dispatch.choose_pair(base.numel, base.num_buckets, lora.num_buckets, lora.rows,
                                      limits, deterministic=base.deterministic,
                                      out_entries=out_entries(lora),
@@ -468,7 +484,8 @@ def choose_streams(base: Job, lora: Job, device_id: int, streams=None, variant=N
                          f"each (at most {_dispatch.SINGLE_BLOCK_MAX_ROUTES} routes and a "
                          "shared histogram of every bucket) or one cooperative launch (not "
                          "deterministic, both sides' routes and buckets within its resident "
-                         "blocks); use streams='two' or None")
+                         "blocks) or two clusters (sm_90 and newer, not deterministic); use "
+                         "streams='two' or None")
     if streams is None:
         streams = "fused" if pair is not None else "two"
     if streams == "fused":

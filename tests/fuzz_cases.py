@@ -30,7 +30,7 @@ EXPERTS = (1, 2, 3, 7, 31, 32, 33, 64, 128, 255, 256, 257, 512, 1024, 2048, 4096
 BLOCKS = (1, 2, 16, 32, 64, 128, 256)
 DTYPES = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
 KINDS = ("uniform", "skewed", "hot", "all_invalid", "invalid_mixed", "repeats", "huge", "edge")
-VARIANTS = (None, "shared", "global", "cooperative")
+VARIANTS = (None, "shared", "global", "cooperative", "cluster")
 STREAMS = (None, "one", "two", "fused")
 
 # Bounds that keep one case fast (the long run does 10,000 in minutes).
@@ -340,7 +340,7 @@ def draw_case(rng, *, max_numel=MAX_NUMEL, max_buckets=MAX_BUCKETS,
         case.ignore_invalid = bool(rng.random() < 0.5)
     case.scatter = mode == "base" and bool(rng.random() < 0.3)
     case.det = bool(rng.random() < 0.3)
-    case.variant = _choice(rng, VARIANTS, p=(0.55, 0.15, 0.15, 0.15))
+    case.variant = _choice(rng, VARIANTS, p=(0.48, 0.13, 0.13, 0.13, 0.13))
     if mode == "pair":
         case.streams = _choice(rng, STREAMS, p=(0.4, 0.2, 0.2, 0.2))
     case.out = bool(rng.random() < 0.5)

@@ -17,7 +17,7 @@ pytestmark = [requires_gpu, pytest.mark.gpu]
 
 RUNS = 100
 SIZES = {"prefill": (4096, 8, 256, 64, 16), "decode": (16, 8, 256, 16, 16)}  # T, K, E, B, L
-VARIANTS = [None, "shared", "global", "cooperative"]
+VARIANTS = [None, "shared", "global", "cooperative", "cluster"]
 
 
 def _inputs(size, kind):

@@ -21,7 +21,7 @@ from gpu_util import GUARD, POISON, cupy, guarded, requires_gpu
 
 pytestmark = [requires_gpu, pytest.mark.gpu]
 
-VARIANTS = [None, "shared", "global", "cooperative"]
+VARIANTS = [None, "shared", "global", "cooperative", "cluster"]
 SIZES = [(5, 8, 64, 16), (300, 4, 256, 32), (4096, 8, 256, 64)]  # T, K, E, B
 SIZE_IDS = [f"T{t}-K{k}-E{e}-B{b}" for t, k, e, b in SIZES]
 

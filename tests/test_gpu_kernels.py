@@ -117,7 +117,7 @@ def _lora_case(E, T, variant, deterministic, salt, *, max_loras=None, with_ids=T
 
 
 GRID = list(itertools.product(EXPERTS, TOKENS))
-VARIANTS = ["shared", "global", "cooperative"]
+VARIANTS = ["shared", "global", "cooperative", "cluster"]
 
 
 def _skip_unless_runs(variant, det, numel, buckets, rows):
@@ -233,7 +233,7 @@ def test_cooperative_scratch_serves_calls_of_any_size_in_turn():
 
 
 @pytest.mark.parametrize("mode", ["before", "after"])
-@pytest.mark.parametrize("variant", [None, "shared", "global", "cooperative"])
+@pytest.mark.parametrize("variant", [None, "shared", "global", "cooperative", "cluster"])
 @pytest.mark.parametrize("E,T", [(64, 3), (257, 255), (256, 4096), (64, 65536)])
 @pytest.mark.parametrize("det", [False, True])
 def test_base_expert_map_and_scatter(E, T, variant, mode, det):
@@ -241,7 +241,7 @@ def test_base_expert_map_and_scatter(E, T, variant, mode, det):
     _base_case(E, T, variant, det, salt=5, expert_map_mode=mode, scatter=True)
 
 
-@pytest.mark.parametrize("variant", [None, "shared", "global", "cooperative"])
+@pytest.mark.parametrize("variant", [None, "shared", "global", "cooperative", "cluster"])
 @pytest.mark.parametrize("E,T", [(64, 1), (128, 255), (256, 4096), (64, 65536)])
 @pytest.mark.parametrize("det", [False, True])
 def test_lora_allocated_map_and_no_ids(E, T, variant, det):
@@ -365,3 +365,74 @@ def test_device_compiler_leaves_no_kernel_spilled(dtype):
     ks = mla._kernels.kernels_for(dtype, 0, mla._launch.device_limits(0).smem_optin)
     local = {name: ks[key].local_size_bytes for key, name in ks.names.items()}
     assert not any(local.values()), {n: b for n, b in local.items() if b}
+
+
+# align_cluster: one cluster of CLUSTER_BLOCKS blocks. Sizes on both sides of its limits
+# (the routes its blocks hold, chunks of one thread each and of several), one bucket taking
+# every route (one thread writes all tile owners), LoRA rows past one warp's marking, and the
+# fused pair of two clusters.
+CLUSTER_CAP = mla._dispatch.CLUSTER_BLOCKS * mla._dispatch.CLUSTER_ITEMS * mla._dispatch.BLOCK
+
+
+def _needs_clusters():
+    if not mla._launch.device_limits(0).clusters:
+        pytest.skip("no thread-block clusters on this device")
+
+
+@pytest.mark.parametrize("numel", [0, 1, 7, 8 * 256, 8 * 256 + 1, 8 * 1024 - 1, 8 * 1024,
+                                   8 * 1024 + 33, CLUSTER_CAP - 1, CLUSTER_CAP])
+@pytest.mark.parametrize("E", [1, 64, 257, 4096])
+def test_cluster_base_sizes(numel, E):
+    _needs_clusters()
+    _base_case(E, numel, "cluster", False, salt=50, topk=1, scatter=numel % 2 == 1)
+
+
+def test_cluster_refuses_past_its_routes():
+    _needs_clusters()
+    with pytest.raises(ValueError, match="cluster"):
+        mla._dispatch.choose_launch(CLUSTER_CAP + 1, 64, 1, mla._launch.device_limits(0),
+                                    variant="cluster")
+
+
+@pytest.mark.parametrize("E,T", [(256, 256), (64, 4095), (512, 1024)])
+def test_cluster_one_expert_takes_every_route(E, T):
+    _needs_clusters()
+    ids = cupy.full((T, 8), 3, dtype=cupy.int32)
+    got = mla.moe_align_block_size(ids, 16, E, variant="cluster")
+    assert int(got.num_tokens_post_pad[0]) == T * 8
+    assert np.array_equal(np.sort(got.sorted_token_ids.get()[: T * 8]), np.arange(T * 8))
+    assert (got.expert_ids.get()[: T * 8 // 16] == 3).all()
+    assert (got.expert_ids.get()[T * 8 // 16:] == -1).all()
+
+
+@pytest.mark.parametrize("rows", [1, 4, 16, 40])
+@pytest.mark.parametrize("E,T", [(64, 1), (256, 256), (128, 1024), (64, 4096)])
+def test_cluster_lora(E, T, rows):
+    _needs_clusters()
+    _lora_case(E, T, "cluster", False, salt=51, max_loras=rows, topk=8)
+    _lora_case(E, T, "cluster", False, salt=52, max_loras=rows, topk=8, allocate=True,
+               use_map=True, with_ids=False, disabled=2)
+
+
+@pytest.mark.parametrize("E,T,L", [(64, 1, 4), (256, 256, 16), (512, 1024, 4), (64, 4096, 16)])
+def test_cluster_pair_is_fused(E, T, L):
+    """Base and LoRA in one launch of two clusters, against the NumPy backend."""
+    _needs_clusters()
+    rng = np.random.default_rng(E + T + L)
+    ids = make_routing(rng, T, 8, E, np.int32, "uniform")
+    mapping, lora_ids, enabled = make_lora(rng, T, L, disabled=1)
+    kw = dict(lora_ids=lora_ids, adapter_enabled=enabled)
+    ref = mla.align_moe_and_lora(ids, mapping, 16, E, L, **kw)
+    got = mla.align_moe_and_lora(cupy.asarray(ids), cupy.asarray(mapping), 16, E, L,
+                                 variant="cluster", streams="fused",
+                                 **{k: cupy.asarray(v) for k, v in kw.items()})
+    cupy.cuda.get_current_stream().synchronize()
+    for side, rows, extra in ((0, 1, {}), (1, L, dict(mapping=mapping, lora_ids=lora_ids,
+                                                       enabled=enabled, map_before=True))):
+        starts = segment_starts(ids, E, 16, rows=rows, **extra)
+        g, r = got[side], ref[side]
+        sorted_g = g[0].get().reshape(rows, -1)
+        sorted_r = np.asarray(r[0]).reshape(rows, -1)
+        np.testing.assert_array_equal(canonical(sorted_g, starts), canonical(sorted_r, starts))
+        np.testing.assert_array_equal(g[1].get(), np.asarray(r[1]))
+        np.testing.assert_array_equal(g[2].get(), np.asarray(r[2]))

@@ -20,7 +20,7 @@ from gpu_util import cupy, make_lora, requires_gpu
 
 pytestmark = [requires_gpu, pytest.mark.gpu]
 
-VARIANTS = [None, "shared", "global", "cooperative"]
+VARIANTS = [None, "shared", "global", "cooperative", "cluster"]
 
 
 # ---- limits of the device, from the dispatcher ---------------------------------------------

@@ -1,0 +1,190 @@
+// Multi-block kernels in one launch of one thread-block cluster: align_cluster,
+// align_cluster_pair. Included by align_kernels.cu, after align_common.cuh and the modes,
+// dynamic_smem and for_routes that file defines.
+
+// ---------------------------------------------------------------------------------------------
+// One cluster of CLUSTER_BLOCKS blocks (sm_90 and newer), for the sizes between one block and
+// the cooperative launch (thousands to tens of thousands of routes). The blocks of a cluster
+// run at once on SMs of one GPC, read each other's shared memory and meet at a hardware
+// barrier, so the hand-off that the cooperative kernel pays with global atomics, a fence and a
+// spinning grid barrier costs one cluster barrier here, and the output leaves through
+// CLUSTER_BLOCKS SMs instead of the single block's one.
+// Block j of the cluster counts routes [j * chunk, (j + 1) * chunk) into its own histogram
+// (shared atomics; the rank of each route among the block's routes of its bucket stays in a
+// register) and issues its share of the sentinel fill and of the -1 tile fill. One cluster
+// barrier (release / acquire: it also orders every fill store before the stores below). Then
+// every block reads all the blocks' histograms (distributed shared memory), so each knows
+// every bucket's total and, per bucket, how many routes the blocks before it hold; it scans
+// the padded totals itself, and stores its routes, its share of the tile owners, block 0 the
+// totals. Nothing is left in global scratch, so no call cleans up after another.
+// A block must not exit while another may still read its histogram: each arrives at a
+// second cluster barrier once it has read the others, and waits on it just before it exits.
+// After the row region: hist[nb] | starts[nb + 1] | before[nb] ints.
+#define CLUSTER_BLOCKS 8  // blocks of one cluster: the portable maximum
+#define CLUSTER_ITEMS 8   // routes a thread, at most: chunk <= CLUSTER_ITEMS * blockDim.x
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define MLA_CLUSTERS 1
+#define MLA_CLUSTER_DIMS __cluster_dims__(CLUSTER_BLOCKS, 1, 1)
+#else
+#define MLA_CLUSTERS 0
+#define MLA_CLUSTER_DIMS
+#endif
+
+#if MLA_CLUSTERS
+__device__ __forceinline__ unsigned cluster_rank() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+
+// Cluster barrier halves (every thread of every block calls both, whole warps at a time).
+// arrive has release and wait acquire semantics at cluster scope.
+__device__ __forceinline__ void cluster_arrive() {
+  asm volatile("barrier.cluster.arrive.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() {
+  asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
+}
+
+// The shared::cluster address of `local` (a shared-memory pointer of this block) in block
+// `rank` of the cluster: the same offset in that block's shared memory.
+__device__ __forceinline__ unsigned remote_address(const void* local, unsigned rank) {
+  const unsigned own = (unsigned)__cvta_generic_to_shared(local);
+  unsigned remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(own), "r"(rank));
+  return remote;
+}
+
+__device__ __forceinline__ int load_remote(unsigned address) {
+  int v;
+  asm volatile("ld.shared::cluster.u32 %0, [%1];" : "=r"(v) : "r"(address) : "memory");
+  return v;
+}
+
+template <typename IdT>
+__device__ __forceinline__ void align_in_cluster(const Problem& p) {
+  __shared__ int warp_sums[32];
+  const int nb = num_buckets(p), E = p.num_experts, bd = blockDim.x, tid = threadIdx.x;
+  const int lane = tid & 31, warp = tid >> 5, nwarps = bd >> 5;
+  const int rank = (int)cluster_rank();
+  unsigned char* processed = dynamic_smem;
+  int* hist = reinterpret_cast<int*>(dynamic_smem + row_region_bytes(p.rows));
+  int* starts = hist + nb;
+  int* before = starts + nb + 1;
+  const int c0 = min(p.numel, rank * p.chunk), c1 = min(p.numel, c0 + p.chunk);
+  MLA_STAMP(3, 0);
+
+  Route route[CLUSTER_ITEMS];  // in flight during the set-up below
+#pragma unroll
+  for (int j = 0; j < CLUSTER_ITEMS; ++j) route[j] = load_route<IdT>(p, c0 + j * bd + tid, c1);
+  for (int b = tid; b < nb; b += bd) hist[b] = 0;
+  mark_processed_rows(p, processed);  // ends in a barrier: the zeros are in place
+  // This block's share of the fills, cut over the cluster's threads; the barrier below orders
+  // them before the route and tile-owner stores of every block.
+  const int ctid = rank * bd + tid, cthreads = CLUSTER_BLOCKS * bd;
+  fill_rows(p, processed, p.sorted_ids, p.sorted_pitch, p.padded_len, p.numel, ctid, cthreads);
+  for (int k = ctid; k < p.rows * p.num_tiles; k += cthreads) {
+    const int r = fast_div(k, p.tiles_magic, p.tiles_shift);
+    if (row_written(p, processed, r))
+      p.expert_ids[(long long)r * p.expert_pitch + (k - r * p.num_tiles)] = -1;
+  }
+  MLA_STAMP(3, 1);
+
+  int bucket[CLUSTER_ITEMS], rank_in_block[CLUSTER_ITEMS];
+#pragma unroll
+  for (int j = 0; j < CLUSTER_ITEMS; ++j) {
+    const int i = c0 + j * bd + tid;
+    bucket[j] = bucket_of(p, route[j], processed);
+    if (p.scatter_idx != nullptr && i < c1) p.scatter_idx[i] = bucket[j] >= 0 ? i : -1;
+    rank_in_block[j] = claim(hist, bucket[j]);
+  }
+  __syncthreads();
+  cluster_arrive();
+  cluster_wait();
+  MLA_STAMP(3, 2);
+
+  // Thread t takes the run [lo, hi) of buckets: every block's count of each (all loads of a
+  // bucket in flight at once), the sum of those of the blocks before this one, the total.
+  const int per = (nb + bd - 1) / bd;
+  const int lo = min(nb, tid * per), hi = min(nb, lo + per);
+  unsigned remote[CLUSTER_BLOCKS];
+#pragma unroll
+  for (int k = 0; k < CLUSTER_BLOCKS; ++k) remote[k] = remote_address(hist, k);
+  int sum = 0;
+  for (int b = lo; b < hi; ++b) {
+    int c[CLUSTER_BLOCKS];
+#pragma unroll
+    for (int k = 0; k < CLUSTER_BLOCKS; ++k) c[k] = load_remote(remote[k] + 4 * b);
+    int total = 0, earlier = 0;
+#pragma unroll
+    for (int k = 0; k < CLUSTER_BLOCKS; ++k) {
+      earlier += k < rank ? c[k] : 0;
+      total += c[k];
+    }
+    before[b] = earlier;
+    starts[b] = total;  // the count for now; the scan below overwrites it with the start
+    sum += padded_count(p, total);
+  }
+  cluster_arrive();  // done with the other blocks' shared memory (waited on before exit)
+
+  // Padded exclusive scan of the run sums: a warp scan, then every warp scans the warp totals
+  // itself (one barrier between).
+  const int x = warp_inclusive_sum(sum);
+  if (lane == 31) warp_sums[warp] = x;
+  __syncthreads();
+  const int w = warp_inclusive_sum(lane < nwarps ? warp_sums[lane] : 0);
+  int run = x - sum + (warp > 0 ? __shfl_sync(MLA_FULL_MASK, w, (warp + 31) & 31) : 0);
+  for (int b = lo; b < hi; ++b) {
+    const int padded = padded_count(p, starts[b]);
+    starts[b] = run;
+    run += padded;
+  }
+  if (tid == bd - 1) starts[nb] = run;
+  __syncthreads();
+  MLA_STAMP(3, 3);
+
+#pragma unroll
+  for (int j = 0; j < CLUSTER_ITEMS; ++j) {
+    if (bucket[j] < 0) continue;
+    const int b = bucket[j];
+    p.sorted_ids[output_index(p, starts, b, before[b] + rank_in_block[j])] = c0 + j * bd + tid;
+  }
+  // Tile owners: the runs of buckets of threads t with t % CLUSTER_BLOCKS == rank, so the
+  // blocks share them (only processed rows have counts; -1 is already in every other tile).
+  if (tid % CLUSTER_BLOCKS == rank) {
+    for (int b = lo; b < hi; ++b) {
+      const int n = fast_div(starts[b + 1] - starts[b], p.block_magic, p.block_shift);
+      if (n == 0) continue;
+      const int r = row_of(p, b);
+      int value = b - r * E;
+      if (p.map_mode == 2) value = p.expert_map[value];
+      int* tile = p.expert_ids + (long long)r * p.expert_pitch +
+                  fast_div(starts[b] - starts[r * E], p.block_magic, p.block_shift);
+#pragma unroll 1
+      for (int k = 0; k < n; ++k) tile[k] = value;
+    }
+  }
+  if (rank == 0) write_totals(p, processed, starts);
+  MLA_STAMP(3, 4);
+  cluster_wait();
+}
+#endif
+
+// Launched as one cluster (grid = CLUSTER_BLOCKS); the dispatcher picks it only on sm_90 and
+// newer, so older architectures compile an empty body.
+template <typename IdT>
+__global__ void __launch_bounds__(1024, 1) MLA_CLUSTER_DIMS align_cluster(const Problem p) {
+#if MLA_CLUSTERS
+  align_in_cluster<IdT>(p);
+#endif
+}
+
+// Base and LoRA alignment in one launch of two clusters (cluster 0: `first`).
+template <typename IdT>
+__global__ void __launch_bounds__(1024, 1) MLA_CLUSTER_DIMS
+    align_cluster_pair(const Problem first, const Problem second) {
+#if MLA_CLUSTERS
+  align_in_cluster<IdT>(blockIdx.x < CLUSTER_BLOCKS ? first : second);
+#endif
+}

@@ -1,0 +1,79 @@
+"""align_cluster against the dispatcher's other picks, in one process (GPU machine).
+
+  python3 scripts/cluster_experiment.py [--json PATH] [--cases mid|all]
+
+Every case runs through the public paths (plans for base and pair) under each of RUNS'
+policies: the dispatcher without clusters ("default": one block, the cooperative launch,
+count + place), one cluster wherever it runs ("cluster"), and the cluster with other block
+sizes. Graph replay (moe_lora_align.bench.graph_us), the runs taking turns three times so
+drift hits all, the median kept; every result is checked against the NumPy backend first
+(scripts/tiny_experiment.py: make_call).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import cupy
+
+import moe_lora_align as mla
+from moe_lora_align.bench import graph_us
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tiny_experiment import make_call  # noqa: E402
+
+CASES = [  # op, T, E, K, B, L
+    ("base", 256, 128, 8, 16, None), ("base", 256, 256, 8, 16, None),
+    ("base", 256, 512, 10, 16, None), ("base", 1024, 128, 8, 64, None),
+    ("base", 1024, 256, 8, 64, None), ("base", 1024, 512, 10, 64, None),
+    ("base", 64, 256, 8, 16, None), ("base", 128, 256, 8, 16, None),
+    ("base", 512, 256, 8, 64, None), ("base", 2048, 256, 8, 64, None),
+    ("base", 4096, 256, 8, 64, None), ("base", 8192, 256, 8, 64, None),
+    ("base", 16, 64, 8, 16, None), ("base", 1, 64, 8, 16, None),
+    ("lora", 256, 256, 8, 16, 16), ("lora", 64, 256, 8, 16, 16), ("lora", 16, 256, 8, 16, 16),
+    ("lora", 256, 256, 8, 16, 4), ("lora", 1024, 256, 8, 64, 16), ("lora", 4096, 256, 8, 64, 16),
+    ("lora", 1024, 64, 6, 16, 4),
+    ("pair", 256, 256, 8, 16, 16), ("pair", 1024, 256, 8, 64, 4), ("pair", 4096, 256, 8, 64, 16),
+    ("pair", 64, 128, 8, 16, 4),
+]
+EVERYWHERE = {"cluster_min_routes": 0, "cluster_max_routes": 1 << 30}
+RUNS = [  # name, AlignPolicy fields
+    ("default", {"cluster_max_routes": 0}),
+    ("cluster", EVERYWHERE),
+    ("cl 4/thr", dict(EVERYWHERE, cluster_routes_per_thread=4, cluster_min_block=128)),
+    ("cl 1024", dict(EVERYWHERE, cluster_min_block=1024)),
+]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    stream = cupy.cuda.Stream(non_blocking=True)
+    report = {}
+    print(f"{'case':40s} " + " ".join(f"{n:>9s}" for n, _ in RUNS)
+          + "   (graph us, median of 3 in turn)")
+    for case in CASES:
+        times = {}
+        for _ in range(3):
+            for name, settings in RUNS:
+                try:
+                    fn = make_call(case, stream, False, mla.AlignPolicy(**settings))
+                except ValueError as e:
+                    times.setdefault(name, []).append(float("nan"))
+                    print(f"  {name}: refused: {e}", file=sys.stderr)
+                    continue
+                times.setdefault(name, []).append(graph_us(fn, stream))
+        med = {n: statistics.median(v) for n, v in times.items()}
+        report[str(case)] = {"median_us": med, "all_us": times}
+        print(f"{case!s:40s} " + " ".join(f"{med[n]:9.2f}" for n, _ in RUNS), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
