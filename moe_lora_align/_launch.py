@@ -44,7 +44,8 @@ def device_limits(device_id: int) -> _dispatch.DeviceLimits:
                                   smem_optin=int(attrs["MaxSharedMemoryPerBlockOptin"]),
                                   cooperative=bool(attrs.get("CooperativeLaunch", 0))
                                   and _direct_launcher(cooperative=True) is not None,
-                                  clusters=int(attrs.get("ComputeCapabilityMajor", 0)) >= 9)
+                                  clusters=int(cupy.cuda.Device(device_id).compute_capability)
+                                  >= 90)
 
 
 @functools.lru_cache(maxsize=None)
