@@ -19,7 +19,7 @@
 // totals. Nothing is left in global scratch, so no call cleans up after another.
 // A block must not exit while another may still read its histogram: each arrives at a
 // second cluster barrier once it has read the others, and waits on it just before it exits.
-// After the row region: hist[nb] | starts[nb + 1] | before[nb] ints.
+// After the row region: hist[nb] | starts[nb + 1] | before[nb] | totals[nb] ints.
 #define CLUSTER_BLOCKS 8  // blocks of one cluster: the portable maximum
 #define CLUSTER_ITEMS 8   // routes a thread, at most: chunk <= CLUSTER_ITEMS * blockDim.x
 
@@ -62,7 +62,11 @@ __device__ __forceinline__ int load_remote(unsigned address) {
   return v;
 }
 
-template <typename IdT>
+// The scan over buckets: warp w takes the contiguous run of buckets [w * span, (w + 1) *
+// span), 32 at a time, a bucket a lane, so the reads of every block's histogram are
+// coalesced and free of bank conflicts, and each lane's loads from all the blocks are in
+// flight at once.
+template <typename IdT, bool FILL_AFTER>
 __device__ __forceinline__ void align_in_cluster(const Problem& p) {
   __shared__ int warp_sums[32];
   const int nb = num_buckets(p), E = p.num_experts, bd = blockDim.x, tid = threadIdx.x;
@@ -72,24 +76,27 @@ __device__ __forceinline__ void align_in_cluster(const Problem& p) {
   int* hist = reinterpret_cast<int*>(dynamic_smem + row_region_bytes(p.rows));
   int* starts = hist + nb;
   int* before = starts + nb + 1;
+  int* totals = before + nb;  // FILL_AFTER: every bucket's count, for the gap fill
   const int c0 = min(p.numel, rank * p.chunk), c1 = min(p.numel, c0 + p.chunk);
-  MLA_STAMP(3, 0);
+  const int ctid = rank * bd + tid, cthreads = CLUSTER_BLOCKS * bd;
+  MLA_STAMP(4, 0);
 
   Route route[CLUSTER_ITEMS];  // in flight during the set-up below
 #pragma unroll
   for (int j = 0; j < CLUSTER_ITEMS; ++j) route[j] = load_route<IdT>(p, c0 + j * bd + tid, c1);
   for (int b = tid; b < nb; b += bd) hist[b] = 0;
   mark_processed_rows(p, processed);  // ends in a barrier: the zeros are in place
-  // This block's share of the fills, cut over the cluster's threads; the barrier below orders
-  // them before the route and tile-owner stores of every block.
-  const int ctid = rank * bd + tid, cthreads = CLUSTER_BLOCKS * bd;
-  fill_rows(p, processed, p.sorted_ids, p.sorted_pitch, p.padded_len, p.numel, ctid, cthreads);
-  for (int k = ctid; k < p.rows * p.num_tiles; k += cthreads) {
-    const int r = fast_div(k, p.tiles_magic, p.tiles_shift);
-    if (row_written(p, processed, r))
-      p.expert_ids[(long long)r * p.expert_pitch + (k - r * p.num_tiles)] = -1;
+  if (!FILL_AFTER) {
+    // This block's share of the fills, cut over the cluster's threads; the barrier below
+    // orders them before the route and tile-owner stores of every block.
+    fill_rows(p, processed, p.sorted_ids, p.sorted_pitch, p.padded_len, p.numel, ctid, cthreads);
+    for (int k = ctid; k < p.rows * p.num_tiles; k += cthreads) {
+      const int r = fast_div(k, p.tiles_magic, p.tiles_shift);
+      if (row_written(p, processed, r))
+        p.expert_ids[(long long)r * p.expert_pitch + (k - r * p.num_tiles)] = -1;
+    }
   }
-  MLA_STAMP(3, 1);
+  MLA_STAMP(4, 1);
 
   int bucket[CLUSTER_ITEMS], rank_in_block[CLUSTER_ITEMS];
 #pragma unroll
@@ -102,47 +109,47 @@ __device__ __forceinline__ void align_in_cluster(const Problem& p) {
   __syncthreads();
   cluster_arrive();
   cluster_wait();
-  MLA_STAMP(3, 2);
+  MLA_STAMP(4, 2);
 
-  // Thread t takes the run [lo, hi) of buckets: every block's count of each (all loads of a
-  // bucket in flight at once), the sum of those of the blocks before this one, the total.
-  const int per = (nb + bd - 1) / bd;
-  const int lo = min(nb, tid * per), hi = min(nb, lo + per);
+  // Every block's count of each of this warp's buckets: the total (kept in starts until the
+  // scan), the part of the blocks before this one (before), and the warp's exclusive scan of
+  // the padded totals (in starts, the warp's offset added below).
+  const int span = ((nb + nwarps - 1) / nwarps + 31) & ~31;
+  const int w0 = min(nb, warp * span), w1 = min(nb, w0 + span);
   unsigned remote[CLUSTER_BLOCKS];
 #pragma unroll
   for (int k = 0; k < CLUSTER_BLOCKS; ++k) remote[k] = remote_address(hist, k);
-  int sum = 0;
-  for (int b = lo; b < hi; ++b) {
+  int carry = 0;
+  for (int b0 = w0; b0 < w1; b0 += 32) {
+    const int b = b0 + lane;
     int c[CLUSTER_BLOCKS];
 #pragma unroll
-    for (int k = 0; k < CLUSTER_BLOCKS; ++k) c[k] = load_remote(remote[k] + 4 * b);
+    for (int k = 0; k < CLUSTER_BLOCKS; ++k) c[k] = b < w1 ? load_remote(remote[k] + 4 * b) : 0;
     int total = 0, earlier = 0;
 #pragma unroll
     for (int k = 0; k < CLUSTER_BLOCKS; ++k) {
       earlier += k < rank ? c[k] : 0;
       total += c[k];
     }
-    before[b] = earlier;
-    starts[b] = total;  // the count for now; the scan below overwrites it with the start
-    sum += padded_count(p, total);
+    const int padded = padded_count(p, total);
+    const int x = warp_inclusive_sum(padded);
+    if (b < w1) {
+      before[b] = earlier;
+      starts[b] = carry + x - padded;
+      if (FILL_AFTER) totals[b] = total;
+    }
+    carry += __shfl_sync(MLA_FULL_MASK, x, 31);
   }
   cluster_arrive();  // done with the other blocks' shared memory (waited on before exit)
-
-  // Padded exclusive scan of the run sums: a warp scan, then every warp scans the warp totals
-  // itself (one barrier between).
-  const int x = warp_inclusive_sum(sum);
-  if (lane == 31) warp_sums[warp] = x;
+  if (lane == 0) warp_sums[warp] = carry;
   __syncthreads();
   const int w = warp_inclusive_sum(lane < nwarps ? warp_sums[lane] : 0);
-  int run = x - sum + (warp > 0 ? __shfl_sync(MLA_FULL_MASK, w, (warp + 31) & 31) : 0);
-  for (int b = lo; b < hi; ++b) {
-    const int padded = padded_count(p, starts[b]);
-    starts[b] = run;
-    run += padded;
-  }
-  if (tid == bd - 1) starts[nb] = run;
+  const int offset = warp > 0 ? __shfl_sync(MLA_FULL_MASK, w, warp - 1) : 0;
+  for (int b = w0 + lane; b < w1; b += 32) starts[b] += offset;
+  const int total = __shfl_sync(MLA_FULL_MASK, w, nwarps - 1);
+  if (tid == 0) starts[nb] = total;
   __syncthreads();
-  MLA_STAMP(3, 3);
+  MLA_STAMP(4, 3);
 
 #pragma unroll
   for (int j = 0; j < CLUSTER_ITEMS; ++j) {
@@ -150,41 +157,73 @@ __device__ __forceinline__ void align_in_cluster(const Problem& p) {
     const int b = bucket[j];
     p.sorted_ids[output_index(p, starts, b, before[b] + rank_in_block[j])] = c0 + j * bd + tid;
   }
-  // Tile owners: the runs of buckets of threads t with t % CLUSTER_BLOCKS == rank, so the
-  // blocks share them (only processed rows have counts; -1 is already in every other tile).
-  if (tid % CLUSTER_BLOCKS == rank) {
-    for (int b = lo; b < hi; ++b) {
-      const int n = fast_div(starts[b + 1] - starts[b], p.block_magic, p.block_shift);
-      if (n == 0) continue;
-      const int r = row_of(p, b);
-      int value = b - r * E;
-      if (p.map_mode == 2) value = p.expert_map[value];
-      int* tile = p.expert_ids + (long long)r * p.expert_pitch +
-                  fast_div(starts[b] - starts[r * E], p.block_magic, p.block_shift);
+  // Tile owners: bucket b's tiles are written by block b % CLUSTER_BLOCKS, by the thread
+  // that takes b among that block's share (only processed rows have counts).
+  for (int b = rank + CLUSTER_BLOCKS * tid; b < nb; b += CLUSTER_BLOCKS * bd) {
+    const int n = fast_div(starts[b + 1] - starts[b], p.block_magic, p.block_shift);
+    if (n == 0) continue;
+    const int r = row_of(p, b);
+    int value = b - r * E;
+    if (p.map_mode == 2) value = p.expert_map[value];
+    const int first = fast_div(starts[b] - starts[r * E], p.block_magic, p.block_shift);
+    int* tile = p.expert_ids + (long long)r * p.expert_pitch + first;
 #pragma unroll 1
-      for (int k = 0; k < n; ++k) tile[k] = value;
+    for (int k = 0; k < n; ++k) tile[k] = value;
+    if (FILL_AFTER) {  // the bucket's gap [count, padded) past its start
+      int* row = p.sorted_ids + (long long)r * p.sorted_pitch + (starts[b] - starts[r * E]);
+#pragma unroll 1
+      for (int k = totals[b]; k < n * p.block_size; ++k) row[k] = p.numel;
+    }
+  }
+  if (FILL_AFTER) {
+    // Every written row past its total (an unprocessed row's total is 0: all of it), and its
+    // tiles past the last owned one, cut over the cluster's threads.
+    const bool vec = ((p.sorted_pitch & 3) == 0) &&
+                     ((reinterpret_cast<unsigned long long>(p.sorted_ids) & 15) == 0);
+    const int4 sentinel = make_int4(p.numel, p.numel, p.numel, p.numel);
+#pragma unroll 1
+    for (int r = 0; r < p.rows; ++r) {
+      if (!row_written(p, processed, r)) continue;
+      const int used = starts[r * E + E] - starts[r * E];
+      int* row = p.sorted_ids + (long long)r * p.sorted_pitch;
+      const int head = vec ? min(p.padded_len, (used + 3) & ~3) : p.padded_len;
+      for (int k = used + ctid; k < head; k += cthreads) row[k] = p.numel;
+      if (vec) {
+        for (int k = (head >> 2) + ctid; k < (p.padded_len >> 2); k += cthreads)
+          reinterpret_cast<int4*>(row)[k] = sentinel;
+        for (int k = max(head, p.padded_len & ~3) + ctid; k < p.padded_len; k += cthreads)
+          row[k] = p.numel;
+      }
+      int* tiles = p.expert_ids + (long long)r * p.expert_pitch;
+      for (int k = fast_div(used, p.block_magic, p.block_shift) + ctid; k < p.num_tiles;
+           k += cthreads)
+        tiles[k] = -1;
     }
   }
   if (rank == 0) write_totals(p, processed, starts);
-  MLA_STAMP(3, 4);
+  MLA_STAMP(4, 4);
   cluster_wait();
+#ifdef MLA_PROBE
+  __syncthreads();
+  MLA_STAMP(4, 5);
+#endif
 }
 #endif
 
 // Launched as one cluster (grid = CLUSTER_BLOCKS); the dispatcher picks it only on sm_90 and
 // newer, so older architectures compile an empty body.
-template <typename IdT>
+template <typename IdT, bool FILL_AFTER>
 __global__ void __launch_bounds__(1024, 1) MLA_CLUSTER_DIMS align_cluster(const Problem p) {
 #if MLA_CLUSTERS
-  align_in_cluster<IdT>(p);
+  align_in_cluster<IdT, FILL_AFTER>(p);
 #endif
 }
 
 // Base and LoRA alignment in one launch of two clusters (cluster 0: `first`).
-template <typename IdT>
+template <typename IdT, bool FILL_AFTER>
 __global__ void __launch_bounds__(1024, 1) MLA_CLUSTER_DIMS
     align_cluster_pair(const Problem first, const Problem second) {
 #if MLA_CLUSTERS
-  align_in_cluster<IdT>(blockIdx.x < CLUSTER_BLOCKS ? first : second);
+  align_in_cluster<IdT, FILL_AFTER>(blockIdx.x < CLUSTER_BLOCKS ? first : second);
 #endif
 }

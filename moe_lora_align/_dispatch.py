@@ -51,6 +51,7 @@ class AlignPolicy:
     cluster_max_routes: int = 0
     cluster_routes_per_thread: int = 2
     cluster_min_block: int = 256
+    cluster_fill_after: bool = False     # sentinels written after the scan, into the gaps
     # Multi-block launches.
     fill_per_block: int = 8192           # sentinel entries a count block fills, about
     chunk_matrix_budget: int = 1 << 18   # entries of the deterministic [chunks, buckets] matrix
@@ -107,6 +108,7 @@ class Launch:
     starts_in_smem: bool = False  # place kernel copies the segment starts to shared memory
     stage_output: bool = False    # place kernel stages routes for coalesced stores (shared)
     tiny: bool = False            # single: align_tiny (a thread per bucket), not align_single
+    fill_after: bool = False      # cluster: sentinels into the gaps after the scan
 
     @property
     def mode(self) -> int:
@@ -166,8 +168,8 @@ def smem_cooperative(num_buckets: int, rows: int, chunk: int, deterministic: boo
 
 
 def smem_cluster(num_buckets: int, rows: int) -> int:
-    """align_cluster: hist[nb], starts[nb + 1], before[nb]."""
-    return row_region_bytes(rows) + 4 * (3 * num_buckets + 1)
+    """align_cluster: hist[nb], starts[nb + 1], before[nb], totals[nb]."""
+    return row_region_bytes(rows) + 4 * (4 * num_buckets + 1)
 
 
 def shared_fits(num_buckets: int, rows: int, limits: DeviceLimits) -> bool:
@@ -268,12 +270,13 @@ def _cooperative(numel, num_buckets, rows, limits, out_entries, deterministic=Fa
                   smem_place=smem)
 
 
-def cluster_block_threads(numel: int, policy: AlignPolicy = DEFAULT_POLICY) -> int:
+def cluster_block_threads(numel: int, num_buckets: int,
+                          policy: AlignPolicy = DEFAULT_POLICY) -> int:
     """Threads of each align_cluster block: ``cluster_routes_per_thread`` routes a thread of
-    the block's chunk, at least ``cluster_min_block`` (the fill and the scan spread over
-    them), at most BLOCK; whole warps."""
+    the block's chunk and ``buckets_per_thread`` buckets a thread of the scan, at least
+    ``cluster_min_block`` (the fill spreads over them), at most BLOCK; whole warps."""
     chunk = _ceil_div(max(numel, 1), CLUSTER_BLOCKS)
-    want = max(policy.cluster_min_block,
+    want = max(policy.cluster_min_block, _ceil_div(num_buckets, policy.buckets_per_thread),
                _ceil_div(chunk, max(1, policy.cluster_routes_per_thread)),
                _ceil_div(chunk, CLUSTER_ITEMS))
     return min(BLOCK, _ceil_div(want, 32) * 32)
@@ -283,7 +286,7 @@ def _cluster(numel, num_buckets, rows, limits, deterministic=False,
              policy: AlignPolicy = DEFAULT_POLICY):
     """align_cluster's geometry, or None where it cannot run: no clusters on the device,
     deterministic ranks (not implemented there), more routes than the cluster's threads hold
-    (CLUSTER_ITEMS each) or a histogram that does not fit (12 bytes a bucket)."""
+    (CLUSTER_ITEMS each) or a histogram that does not fit (16 bytes a bucket)."""
     if not limits.clusters or deterministic:
         return None
     if numel > CLUSTER_BLOCKS * CLUSTER_ITEMS * BLOCK:
@@ -291,9 +294,10 @@ def _cluster(numel, num_buckets, rows, limits, deterministic=False,
     smem = smem_cluster(num_buckets, rows)
     if smem > limits.dynamic_smem:
         return None
-    block = cluster_block_threads(numel, policy)
+    block = cluster_block_threads(numel, num_buckets, policy)
     return Launch("cluster", "cluster", False, block, grid=CLUSTER_BLOCKS,
-                  chunk=_ceil_div(max(numel, 1), CLUSTER_BLOCKS), smem_place=smem)
+                  chunk=_ceil_div(max(numel, 1), CLUSTER_BLOCKS), smem_place=smem,
+                  fill_after=policy.cluster_fill_after)
 
 
 def in_cluster_range(numel: int, policy: AlignPolicy) -> bool:
@@ -445,7 +449,8 @@ def choose_cluster_pair(numel: int, base_buckets: int, lora_buckets: int, rows: 
     if base is None or lora is None:
         return None
     return Launch("cluster", "cluster", False, lora.block, grid=2 * CLUSTER_BLOCKS,
-                  chunk=lora.chunk, smem_place=max(base.smem_place, lora.smem_place))
+                  chunk=lora.chunk, smem_place=max(base.smem_place, lora.smem_place),
+                  fill_after=lora.fill_after)
 
 
 def _room(smem: int, limits: DeviceLimits) -> bool:

@@ -358,8 +358,8 @@ def launch_one(job: Job, launch: _dispatch.Launch, ws: Workspace, stream, device
                       launch.smem_place, stream, job, cooperative=True)
         return
     if launch.kind == "cluster":
-        launch_kernel(ks, ("cluster", False), launch.grid, launch.block, launch.smem_place,
-                      stream, job)
+        launch_kernel(ks, ("cluster", launch.fill_after), launch.grid, launch.block,
+                      launch.smem_place, stream, job)
         return
     launch_kernel(ks, ("count", launch.mode), launch.count_grid, launch.block,
                   launch.smem_count, stream, job)
@@ -396,8 +396,8 @@ def launch_pair(base: Job, lora: Job, launch, ws_base: Workspace, ws_lora: Works
     pack(base, launch, ws_base)
     pack(lora, launch, ws_lora)
     if launch.kind == "cluster":
-        launch_kernel(ks, ("cluster_pair", False), launch.grid, launch.block, launch.smem_place,
-                      stream, base, lora)
+        launch_kernel(ks, ("cluster_pair", launch.fill_after), launch.grid, launch.block,
+                      launch.smem_place, stream, base, lora)
         return
     key = ("tiny_pair" if launch.tiny else "pair", launch.deterministic)
     launch_kernel(ks, key, 2, launch.block, launch.smem_single, stream, base, lora)

@@ -5,7 +5,7 @@
 Every case runs through the public paths (plans for base and pair) under each of RUNS'
 policies: the dispatcher without clusters ("default": one block, the cooperative launch,
 count + place), one cluster wherever it runs ("cluster"), and the cluster with other block
-sizes. Graph replay (moe_lora_align.bench.graph_us), the runs taking turns three times so
+sizes or with the sentinels written after its barrier. Graph replay (moe_lora_align.bench.graph_us), the runs taking turns three times so
 drift hits all, the median kept; every result is checked against the NumPy backend first
 (scripts/tiny_experiment.py: make_call).
 """
@@ -43,8 +43,8 @@ EVERYWHERE = {"cluster_min_routes": 0, "cluster_max_routes": 1 << 30}
 RUNS = [  # name, AlignPolicy fields
     ("default", {"cluster_max_routes": 0}),
     ("cluster", EVERYWHERE),
-    ("cl 4/thr", dict(EVERYWHERE, cluster_routes_per_thread=4, cluster_min_block=128)),
-    ("cl 1024", dict(EVERYWHERE, cluster_min_block=1024)),
+    ("cl after", dict(EVERYWHERE, cluster_fill_after=True)),
+    ("cl 512", dict(EVERYWHERE, cluster_min_block=512)),
 ]
 
 

@@ -83,8 +83,9 @@ CASES = [  # op ("... det": deterministic=True), T, E, K, B, L
 STAGES = {0: ["entry", "rows+fill", "claim", "scan", "stores", "end"],
           1: ["entry", "rows", "claim", "flush", "ticket", "scan", "end"],
           2: ["entry", "expert_ids", "claim", "base", "scan", "staged", "end"],
-          3: ["entry", "rows+fill", "claim", "staged", "barrier", "scan+adj", "end"]}
-KERNEL = {0: "single", 1: "count", 2: "place", 3: "coop"}
+          3: ["entry", "rows+fill", "claim", "staged", "barrier", "scan+adj", "end"],
+          4: ["entry", "rows+fill", "claim+barrier", "scan", "stores", "end"]}
+KERNEL = {0: "single", 1: "count", 2: "place", 3: "coop", 4: "cluster"}
 SLOTS = len(KERNEL)  # kernels/align_common.cuh: mla_probe's kernel slots
 
 
@@ -119,7 +120,11 @@ def floor_ladder(stream):
     return out
 
 
+POLICY = None  # --policy: the AlignPolicy every case runs under (None: the default)
+
+
 def make_call(case, stream, policy=None):
+    policy = policy or POLICY
     op, T, E, K, B, L = case
     op, *flags = op.split()
     det = flags == ["det"]
@@ -234,7 +239,14 @@ def main():
                          "carveout or eager profile)")
     ap.add_argument("--min-tokens", type=int, default=0, help="only cases with T >= this")
     ap.add_argument("--only", default="", help="only cases whose printed tuple contains this")
+    ap.add_argument("--policy", default="",
+                    help="AlignPolicy fields for every case, as NAME=INT,... (e.g. "
+                         "cluster_min_routes=0,cluster_max_routes=65536)")
     args = ap.parse_args()
+    global POLICY
+    if args.policy:
+        POLICY = mla.AlignPolicy(**{k: int(v) for k, v in
+                                    (kv.split("=") for kv in args.policy.split(","))})
     args.out.mkdir(parents=True, exist_ok=True)
     CASES[:] = [c for c in CASES if c[1] >= args.min_tokens and args.only in str(c)]
     stream = cupy.cuda.Stream(non_blocking=True)
