@@ -18,8 +18,9 @@
 // the padded totals itself, and stores its routes, its share of the tile owners, block 0 the
 // totals. Nothing is left in global scratch, so no call cleans up after another.
 // A block must not exit while another may still read its histogram: each arrives at a
-// second cluster barrier once it has read the others, and waits on it just before it exits.
-// After the row region: hist[nb] | starts[nb + 1] | before[nb] | totals[nb] ints.
+// second cluster barrier once it has read the others (a relaxed arrival: it orders no
+// stores), and waits on it just before it exits.
+// After the row region: hist[nb] | starts[nb + 1] | before[nb] ints.
 #define CLUSTER_BLOCKS 8  // blocks of one cluster: the portable maximum
 #define CLUSTER_ITEMS 8   // routes a thread, at most: chunk <= CLUSTER_ITEMS * blockDim.x
 
@@ -46,6 +47,12 @@ __device__ __forceinline__ void cluster_arrive() {
 __device__ __forceinline__ void cluster_wait() {
   asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
 }
+// An arrival that orders nothing: enough where it only says "done reading your shared
+// memory" (loads whose values came back are complete), and it skips the release's wait for
+// this thread's outstanding stores.
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+}
 
 // The shared::cluster address of `local` (a shared-memory pointer of this block) in block
 // `rank` of the cluster: the same offset in that block's shared memory.
@@ -66,7 +73,7 @@ __device__ __forceinline__ int load_remote(unsigned address) {
 // span), 32 at a time, a bucket a lane, so the reads of every block's histogram are
 // coalesced and free of bank conflicts, and each lane's loads from all the blocks are in
 // flight at once.
-template <typename IdT, bool FILL_AFTER>
+template <typename IdT>
 __device__ __forceinline__ void align_in_cluster(const Problem& p) {
   __shared__ int warp_sums[32];
   const int nb = num_buckets(p), E = p.num_experts, bd = blockDim.x, tid = threadIdx.x;
@@ -76,7 +83,6 @@ __device__ __forceinline__ void align_in_cluster(const Problem& p) {
   int* hist = reinterpret_cast<int*>(dynamic_smem + row_region_bytes(p.rows));
   int* starts = hist + nb;
   int* before = starts + nb + 1;
-  int* totals = before + nb;  // FILL_AFTER: every bucket's count, for the gap fill
   const int c0 = min(p.numel, rank * p.chunk), c1 = min(p.numel, c0 + p.chunk);
   const int ctid = rank * bd + tid, cthreads = CLUSTER_BLOCKS * bd;
   MLA_STAMP(4, 0);
@@ -86,17 +92,16 @@ __device__ __forceinline__ void align_in_cluster(const Problem& p) {
   for (int j = 0; j < CLUSTER_ITEMS; ++j) route[j] = load_route<IdT>(p, c0 + j * bd + tid, c1);
   for (int b = tid; b < nb; b += bd) hist[b] = 0;
   mark_processed_rows(p, processed);  // ends in a barrier: the zeros are in place
-  if (!FILL_AFTER) {
-    // This block's share of the fills, cut over the cluster's threads; the barrier below
-    // orders them before the route and tile-owner stores of every block.
-    fill_rows(p, processed, p.sorted_ids, p.sorted_pitch, p.padded_len, p.numel, ctid, cthreads);
-    for (int k = ctid; k < p.rows * p.num_tiles; k += cthreads) {
-      const int r = fast_div(k, p.tiles_magic, p.tiles_shift);
-      if (row_written(p, processed, r))
-        p.expert_ids[(long long)r * p.expert_pitch + (k - r * p.num_tiles)] = -1;
-    }
-  }
   MLA_STAMP(4, 1);
+  // This block's share of the fills, cut over the cluster's threads; the barrier below
+  // orders them before the route and tile-owner stores of every block.
+  fill_rows(p, processed, p.sorted_ids, p.sorted_pitch, p.padded_len, p.numel, ctid, cthreads);
+  for (int k = ctid; k < p.rows * p.num_tiles; k += cthreads) {
+    const int r = fast_div(k, p.tiles_magic, p.tiles_shift);
+    if (row_written(p, processed, r))
+      p.expert_ids[(long long)r * p.expert_pitch + (k - r * p.num_tiles)] = -1;
+  }
+  MLA_STAMP(4, 2);
 
   int bucket[CLUSTER_ITEMS], rank_in_block[CLUSTER_ITEMS];
 #pragma unroll
@@ -109,7 +114,7 @@ __device__ __forceinline__ void align_in_cluster(const Problem& p) {
   __syncthreads();
   cluster_arrive();
   cluster_wait();
-  MLA_STAMP(4, 2);
+  MLA_STAMP(4, 3);
 
   // Every block's count of each of this warp's buckets: the total (kept in starts until the
   // scan), the part of the blocks before this one (before), and the warp's exclusive scan of
@@ -136,11 +141,11 @@ __device__ __forceinline__ void align_in_cluster(const Problem& p) {
     if (b < w1) {
       before[b] = earlier;
       starts[b] = carry + x - padded;
-      if (FILL_AFTER) totals[b] = total;
     }
     carry += __shfl_sync(MLA_FULL_MASK, x, 31);
   }
-  cluster_arrive();  // done with the other blocks' shared memory (waited on before exit)
+  MLA_STAMP(4, 4);
+  cluster_arrive_relaxed();  // done reading the other blocks' shared memory
   if (lane == 0) warp_sums[warp] = carry;
   __syncthreads();
   const int w = warp_inclusive_sum(lane < nwarps ? warp_sums[lane] : 0);
@@ -149,7 +154,7 @@ __device__ __forceinline__ void align_in_cluster(const Problem& p) {
   const int total = __shfl_sync(MLA_FULL_MASK, w, nwarps - 1);
   if (tid == 0) starts[nb] = total;
   __syncthreads();
-  MLA_STAMP(4, 3);
+  MLA_STAMP(4, 5);
 
 #pragma unroll
   for (int j = 0; j < CLUSTER_ITEMS; ++j) {
@@ -169,61 +174,31 @@ __device__ __forceinline__ void align_in_cluster(const Problem& p) {
     int* tile = p.expert_ids + (long long)r * p.expert_pitch + first;
 #pragma unroll 1
     for (int k = 0; k < n; ++k) tile[k] = value;
-    if (FILL_AFTER) {  // the bucket's gap [count, padded) past its start
-      int* row = p.sorted_ids + (long long)r * p.sorted_pitch + (starts[b] - starts[r * E]);
-#pragma unroll 1
-      for (int k = totals[b]; k < n * p.block_size; ++k) row[k] = p.numel;
-    }
-  }
-  if (FILL_AFTER) {
-    // Every written row past its total (an unprocessed row's total is 0: all of it), and its
-    // tiles past the last owned one, cut over the cluster's threads.
-    const bool vec = ((p.sorted_pitch & 3) == 0) &&
-                     ((reinterpret_cast<unsigned long long>(p.sorted_ids) & 15) == 0);
-    const int4 sentinel = make_int4(p.numel, p.numel, p.numel, p.numel);
-#pragma unroll 1
-    for (int r = 0; r < p.rows; ++r) {
-      if (!row_written(p, processed, r)) continue;
-      const int used = starts[r * E + E] - starts[r * E];
-      int* row = p.sorted_ids + (long long)r * p.sorted_pitch;
-      const int head = vec ? min(p.padded_len, (used + 3) & ~3) : p.padded_len;
-      for (int k = used + ctid; k < head; k += cthreads) row[k] = p.numel;
-      if (vec) {
-        for (int k = (head >> 2) + ctid; k < (p.padded_len >> 2); k += cthreads)
-          reinterpret_cast<int4*>(row)[k] = sentinel;
-        for (int k = max(head, p.padded_len & ~3) + ctid; k < p.padded_len; k += cthreads)
-          row[k] = p.numel;
-      }
-      int* tiles = p.expert_ids + (long long)r * p.expert_pitch;
-      for (int k = fast_div(used, p.block_magic, p.block_shift) + ctid; k < p.num_tiles;
-           k += cthreads)
-        tiles[k] = -1;
-    }
   }
   if (rank == 0) write_totals(p, processed, starts);
-  MLA_STAMP(4, 4);
+  MLA_STAMP(4, 6);
   cluster_wait();
 #ifdef MLA_PROBE
   __syncthreads();
-  MLA_STAMP(4, 5);
+  MLA_STAMP(4, 7);
 #endif
 }
 #endif
 
 // Launched as one cluster (grid = CLUSTER_BLOCKS); the dispatcher picks it only on sm_90 and
 // newer, so older architectures compile an empty body.
-template <typename IdT, bool FILL_AFTER>
+template <typename IdT>
 __global__ void __launch_bounds__(1024, 1) MLA_CLUSTER_DIMS align_cluster(const Problem p) {
 #if MLA_CLUSTERS
-  align_in_cluster<IdT, FILL_AFTER>(p);
+  align_in_cluster<IdT>(p);
 #endif
 }
 
 // Base and LoRA alignment in one launch of two clusters (cluster 0: `first`).
-template <typename IdT, bool FILL_AFTER>
+template <typename IdT>
 __global__ void __launch_bounds__(1024, 1) MLA_CLUSTER_DIMS
     align_cluster_pair(const Problem first, const Problem second) {
 #if MLA_CLUSTERS
-  align_in_cluster<IdT, FILL_AFTER>(blockIdx.x < CLUSTER_BLOCKS ? first : second);
+  align_in_cluster<IdT>(blockIdx.x < CLUSTER_BLOCKS ? first : second);
 #endif
 }

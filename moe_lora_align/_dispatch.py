@@ -45,13 +45,13 @@ class AlignPolicy:
     # Above this many output entries the cooperative launch beats one block.
     coop_over_single_entries: int = 81920
     # One cluster of CLUSTER_BLOCKS blocks (sm_90+, not deterministic) from this many routes
-    # up to this many (0: never); its blocks get cluster_routes_per_thread routes a thread,
-    # at least cluster_min_block threads.
+    # up to this many, over at most this many buckets; its blocks get
+    # cluster_routes_per_thread routes a thread, at least cluster_min_block threads.
     cluster_min_routes: int = 2048
-    cluster_max_routes: int = 0
+    cluster_max_routes: int = 12288
+    cluster_max_buckets: int = 1024
     cluster_routes_per_thread: int = 2
     cluster_min_block: int = 256
-    cluster_fill_after: bool = False     # sentinels written after the scan, into the gaps
     # Multi-block launches.
     fill_per_block: int = 8192           # sentinel entries a count block fills, about
     chunk_matrix_budget: int = 1 << 18   # entries of the deterministic [chunks, buckets] matrix
@@ -108,7 +108,6 @@ class Launch:
     starts_in_smem: bool = False  # place kernel copies the segment starts to shared memory
     stage_output: bool = False    # place kernel stages routes for coalesced stores (shared)
     tiny: bool = False            # single: align_tiny (a thread per bucket), not align_single
-    fill_after: bool = False      # cluster: sentinels into the gaps after the scan
 
     @property
     def mode(self) -> int:
@@ -168,8 +167,8 @@ def smem_cooperative(num_buckets: int, rows: int, chunk: int, deterministic: boo
 
 
 def smem_cluster(num_buckets: int, rows: int) -> int:
-    """align_cluster: hist[nb], starts[nb + 1], before[nb], totals[nb]."""
-    return row_region_bytes(rows) + 4 * (4 * num_buckets + 1)
+    """align_cluster: hist[nb], starts[nb + 1], before[nb]."""
+    return row_region_bytes(rows) + 4 * (3 * num_buckets + 1)
 
 
 def shared_fits(num_buckets: int, rows: int, limits: DeviceLimits) -> bool:
@@ -286,7 +285,7 @@ def _cluster(numel, num_buckets, rows, limits, deterministic=False,
              policy: AlignPolicy = DEFAULT_POLICY):
     """align_cluster's geometry, or None where it cannot run: no clusters on the device,
     deterministic ranks (not implemented there), more routes than the cluster's threads hold
-    (CLUSTER_ITEMS each) or a histogram that does not fit (16 bytes a bucket)."""
+    (CLUSTER_ITEMS each) or a histogram that does not fit (12 bytes a bucket)."""
     if not limits.clusters or deterministic:
         return None
     if numel > CLUSTER_BLOCKS * CLUSTER_ITEMS * BLOCK:
@@ -296,13 +295,14 @@ def _cluster(numel, num_buckets, rows, limits, deterministic=False,
         return None
     block = cluster_block_threads(numel, num_buckets, policy)
     return Launch("cluster", "cluster", False, block, grid=CLUSTER_BLOCKS,
-                  chunk=_ceil_div(max(numel, 1), CLUSTER_BLOCKS), smem_place=smem,
-                  fill_after=policy.cluster_fill_after)
+                  chunk=_ceil_div(max(numel, 1), CLUSTER_BLOCKS), smem_place=smem)
 
 
-def in_cluster_range(numel: int, policy: AlignPolicy) -> bool:
-    """The policy hands alignments of ``numel`` routes to one cluster where it can run."""
-    return policy.cluster_min_routes <= numel <= policy.cluster_max_routes
+def in_cluster_range(numel: int, num_buckets: int, policy: AlignPolicy) -> bool:
+    """The policy hands alignments of ``numel`` routes over ``num_buckets`` buckets to one
+    cluster (where it can run)."""
+    return (policy.cluster_min_routes <= numel <= policy.cluster_max_routes
+            and num_buckets <= policy.cluster_max_buckets)
 
 
 def choose_launch(numel: int, num_buckets: int, rows: int, limits: DeviceLimits, *,
@@ -327,7 +327,7 @@ def choose_launch(numel: int, num_buckets: int, rows: int, limits: DeviceLimits,
                                    policy)
     if variant == "cluster":
         return _forced_cluster(numel, num_buckets, rows, limits, deterministic, policy)
-    if variant is None and in_cluster_range(numel, policy):
+    if variant is None and in_cluster_range(numel, num_buckets, policy):
         cluster = _cluster(numel, num_buckets, rows, limits, deterministic, policy)
         if cluster is not None:
             return cluster
@@ -449,8 +449,7 @@ def choose_cluster_pair(numel: int, base_buckets: int, lora_buckets: int, rows: 
     if base is None or lora is None:
         return None
     return Launch("cluster", "cluster", False, lora.block, grid=2 * CLUSTER_BLOCKS,
-                  chunk=lora.chunk, smem_place=max(base.smem_place, lora.smem_place),
-                  fill_after=lora.fill_after)
+                  chunk=lora.chunk, smem_place=max(base.smem_place, lora.smem_place))
 
 
 def _room(smem: int, limits: DeviceLimits) -> bool:

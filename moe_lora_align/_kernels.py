@@ -109,10 +109,8 @@ def kernel_names(dtype) -> dict:
         names[("count", mode)] = f"align_count<{t}, {mode}>"
         names[("place", mode)] = f"align_place<{t}, {mode}>"
     names[("cooperative_pair", 0)] = f"align_cooperative_pair<{t}>"
-    for fill_after in ("false", "true"):  # align_cluster: fill before or after its barrier
-        key = fill_after == "true"
-        names[("cluster", key)] = f"align_cluster<{t}, {fill_after}>"
-        names[("cluster_pair", key)] = f"align_cluster_pair<{t}, {fill_after}>"
+    names[("cluster", False)] = f"align_cluster<{t}>"
+    names[("cluster_pair", False)] = f"align_cluster_pair<{t}>"
     return names
 
 

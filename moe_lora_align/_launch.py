@@ -358,7 +358,7 @@ def launch_one(job: Job, launch: _dispatch.Launch, ws: Workspace, stream, device
                       launch.smem_place, stream, job, cooperative=True)
         return
     if launch.kind == "cluster":
-        launch_kernel(ks, ("cluster", launch.fill_after), launch.grid, launch.block,
+        launch_kernel(ks, ("cluster", False), launch.grid, launch.block,
                       launch.smem_place, stream, job)
         return
     launch_kernel(ks, ("count", launch.mode), launch.count_grid, launch.block,
@@ -396,7 +396,7 @@ def launch_pair(base: Job, lora: Job, launch, ws_base: Workspace, ws_lora: Works
     pack(base, launch, ws_base)
     pack(lora, launch, ws_lora)
     if launch.kind == "cluster":
-        launch_kernel(ks, ("cluster_pair", launch.fill_after), launch.grid, launch.block,
+        launch_kernel(ks, ("cluster_pair", False), launch.grid, launch.block,
                       launch.smem_place, stream, base, lora)
         return
     key = ("tiny_pair" if launch.tiny else "pair", launch.deterministic)
@@ -468,7 +468,8 @@ def choose_streams(base: Job, lora: Job, device_id: int, streams=None, variant=N
     limits = device_limits(device_id)
     pair = None
     if (variant == "cluster" or (variant is None and not base.deterministic
-                                 and _dispatch.in_cluster_range(base.numel, policy))):
+                                 and _dispatch.in_cluster_range(base.numel, lora.num_buckets,
+                                                                policy))):
         pair = _dispatch.choose_cluster_pair(base.numel, base.num_buckets, lora.num_buckets,
                                              lora.rows, limits, policy)
     if pair is None and variant in (None, "shared"):

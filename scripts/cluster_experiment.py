@@ -3,9 +3,9 @@
   python3 scripts/cluster_experiment.py [--json PATH] [--cases mid|all]
 
 Every case runs through the public paths (plans for base and pair) under each of RUNS'
-policies: the dispatcher without clusters ("default": one block, the cooperative launch,
-count + place), one cluster wherever it runs ("cluster"), and the cluster with other block
-sizes or with the sentinels written after its barrier. Graph replay (moe_lora_align.bench.graph_us), the runs taking turns three times so
+policies: the dispatcher without clusters ("no clust": one block, the cooperative launch,
+count + place), the default policy, one cluster wherever it runs ("cluster"), and the cluster with other block
+sizes. Graph replay (moe_lora_align.bench.graph_us), the runs taking turns three times so
 drift hits all, the median kept; every result is checked against the NumPy backend first
 (scripts/tiny_experiment.py: make_call).
 """
@@ -39,11 +39,13 @@ CASES = [  # op, T, E, K, B, L
     ("pair", 256, 256, 8, 16, 16), ("pair", 1024, 256, 8, 64, 4), ("pair", 4096, 256, 8, 64, 16),
     ("pair", 64, 128, 8, 16, 4),
 ]
-EVERYWHERE = {"cluster_min_routes": 0, "cluster_max_routes": 1 << 30}
+EVERYWHERE = {"cluster_min_routes": 0, "cluster_max_routes": 1 << 30,
+              "cluster_max_buckets": 1 << 30}
 RUNS = [  # name, AlignPolicy fields
-    ("default", {"cluster_max_routes": 0}),
+    ("no clust", {"cluster_max_routes": 0}),
+    ("default", {}),
     ("cluster", EVERYWHERE),
-    ("cl after", dict(EVERYWHERE, cluster_fill_after=True)),
+    ("cl 128", dict(EVERYWHERE, cluster_min_block=128)),
     ("cl 512", dict(EVERYWHERE, cluster_min_block=512)),
 ]
 

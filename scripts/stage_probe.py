@@ -84,7 +84,7 @@ STAGES = {0: ["entry", "rows+fill", "claim", "scan", "stores", "end"],
           1: ["entry", "rows", "claim", "flush", "ticket", "scan", "end"],
           2: ["entry", "expert_ids", "claim", "base", "scan", "staged", "end"],
           3: ["entry", "rows+fill", "claim", "staged", "barrier", "scan+adj", "end"],
-          4: ["entry", "rows+fill", "claim+barrier", "scan", "stores", "end"]}
+          4: ["entry", "rows", "fill", "claim+barrier", "remote reads", "scan", "stores", "end"]}
 KERNEL = {0: "single", 1: "count", 2: "place", 3: "coop", 4: "cluster"}
 SLOTS = len(KERNEL)  # kernels/align_common.cuh: mla_probe's kernel slots
 

@@ -8,17 +8,25 @@ from moe_lora_align import _dispatch as d
 H200 = d.DeviceLimits.h200()
 SMALL = d.DeviceLimits(sm_count=16, smem_optin=48 * 1024)
 NO_COOP = d.DeviceLimits(sm_count=132, smem_optin=232448, cooperative=False)
+NO_CLUSTERS = d.DeviceLimits(sm_count=132, smem_optin=232448, cooperative=True)
 
 
 @pytest.mark.parametrize("numel,buckets,rows,limits,det,variant,expect", [
     # decode sizes: one block, one launch
     (8, 64, 1, H200, False, None, ("shared", "single", 1)),
-    (2048, 256, 1, H200, False, None, ("shared", "single", 1)),
+    (2047, 256, 1, H200, False, None, ("shared", "single", 1)),
     (2048, 16 * 256, 16, H200, False, None, ("shared", "single", 1)),
+    # 2K to 12K routes over at most 1024 buckets: one cluster, where the device has them
+    (2048, 256, 1, H200, False, None, ("cluster", "cluster", 1)),
+    (12288, 512, 1, H200, False, None, ("cluster", "cluster", 1)),
+    (4096, 4 * 256, 4, H200, False, None, ("cluster", "cluster", 1)),
+    (2048, 256, 1, NO_CLUSTERS, False, None, ("shared", "single", 1)),
+    (4097, 256, 1, NO_CLUSTERS, False, None, ("cooperative", "cooperative", 1)),
+    (4097, 256, 1, H200, True, None, ("cooperative", "cooperative", 1)),
     (4096, 8192, 1, H200, False, None, ("shared", "single", 1)),
     (2048, 256, 1, H200, True, None, ("shared", "single", 1)),
     # prefill sizes: one cooperative launch where it can run, else count + place
-    (4097, 256, 1, H200, False, None, ("cooperative", "cooperative", 1)),
+    (12289, 256, 1, H200, False, None, ("cooperative", "cooperative", 1)),
     (65536 * 8, 256, 1, H200, False, None, ("cooperative", "cooperative", 1)),
     (65536 * 10, 512, 1, H200, False, None, ("cooperative", "cooperative", 1)),
     (16384 * 8, 16 * 256, 16, H200, False, None, ("cooperative", "cooperative", 1)),
@@ -42,6 +50,9 @@ NO_COOP = d.DeviceLimits(sm_count=132, smem_optin=232448, cooperative=False)
     (8, 64, 1, H200, False, "cooperative", ("cooperative", "cooperative", 1)),
     (0, 64, 1, H200, False, "cooperative", ("cooperative", "cooperative", 1)),
     (65536 * 8, 4096, 1, H200, False, "cooperative", ("cooperative", "cooperative", 1)),
+    (8, 64, 1, H200, False, "cluster", ("cluster", "cluster", 1)),
+    (0, 64, 1, H200, False, "cluster", ("cluster", "cluster", 1)),
+    (65536, 16 * 1024, 16, H200, False, "cluster", ("cluster", "cluster", 1)),
 ])
 def test_decisions(numel, buckets, rows, limits, det, variant, expect):
     launch = d.choose_launch(numel, buckets, rows, limits, deterministic=det, variant=variant)
@@ -439,3 +450,60 @@ def test_policy_is_a_value_the_dispatcher_takes():
     assert off.kind == "single" and not off.tiny
     assert d.choose_launch(8, 64, 1, H200) == default  # nothing global changed
     hash(d.DEFAULT_POLICY)  # the launch cache keys on it
+
+
+CLUSTER_CAP = d.CLUSTER_BLOCKS * d.CLUSTER_ITEMS * d.BLOCK
+
+
+@pytest.mark.parametrize("numel", [0, 1, 2048, 8191, 12288, CLUSTER_CAP])
+@pytest.mark.parametrize("buckets", [1, 256, 4096])
+def test_cluster_geometry_covers_every_route(numel, buckets):
+    launch = d.choose_launch(numel, buckets, 1, H200, variant="cluster")
+    assert launch.kind == "cluster" and launch.grid == d.CLUSTER_BLOCKS
+    assert launch.chunk * d.CLUSTER_BLOCKS >= numel
+    assert launch.chunk <= d.CLUSTER_ITEMS * launch.block
+    assert launch.block % 32 == 0 and 32 <= launch.block <= d.BLOCK
+    assert launch.block * d.DEFAULT_POLICY.buckets_per_thread >= min(buckets, 4 * d.BLOCK)
+    assert launch.smem_place == d.smem_cluster(buckets, 1)
+    d.check_launch(launch, numel, [(buckets, 1)], H200)
+
+
+@pytest.mark.parametrize("numel,buckets,limits,det,why", [
+    (CLUSTER_CAP + 1, 64, H200, False, "more than its"),
+    (2048, 64, H200, True, "deterministic"),
+    (2048, 64, NO_CLUSTERS, False, "no thread-block clusters"),
+    (2048, 20000, H200, False, "shared memory"),
+])
+def test_forced_cluster_refusals_say_why(numel, buckets, limits, det, why):
+    with pytest.raises(ValueError, match=why):
+        d.choose_launch(numel, buckets, 1, limits, deterministic=det, variant="cluster")
+
+
+def test_cluster_range_is_a_policy_value():
+    import dataclasses
+
+    assert d.choose_launch(4096, 256, 1, H200).kind == "cluster"
+    off = dataclasses.replace(d.DEFAULT_POLICY, cluster_max_routes=0)
+    assert d.choose_launch(4096, 256, 1, H200, policy=off).kind != "cluster"
+    few = dataclasses.replace(d.DEFAULT_POLICY, cluster_max_buckets=128)
+    assert d.choose_launch(4096, 256, 1, H200, policy=few).kind != "cluster"
+
+
+def test_cluster_pair_shares_one_geometry():
+    pair = d.choose_cluster_pair(4096, 256, 4 * 256, 4, H200)
+    assert pair.kind == "cluster" and pair.grid == 2 * d.CLUSTER_BLOCKS
+    assert pair.smem_place == max(d.smem_cluster(256, 1), d.smem_cluster(1024, 4))
+    d.check_launch(pair, 4096, [(256, 1), (1024, 4)], H200)
+    assert d.choose_cluster_pair(4096, 256, 1024, 4, NO_CLUSTERS) is None
+
+
+def test_check_launch_refuses_a_broken_cluster_launch():
+    import dataclasses
+
+    good = d.choose_launch(4096, 256, 1, H200, variant="cluster")
+    for bad in (dataclasses.replace(good, grid=2 * d.CLUSTER_BLOCKS),
+                dataclasses.replace(good, chunk=good.chunk - 1),
+                dataclasses.replace(good, block=32),
+                dataclasses.replace(good, smem_place=good.smem_place - 4)):
+        with pytest.raises(d.LaunchRefused, match="align_cluster"):
+            d.check_launch(bad, 4096, [(256, 1)], H200)

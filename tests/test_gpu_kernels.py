@@ -379,19 +379,12 @@ def _needs_clusters():
         pytest.skip("no thread-block clusters on this device")
 
 
-@pytest.fixture(params=[False, True], ids=["fill-first", "fill-after"])
-def cluster_policy(request):
-    """align_cluster with the sentinel fill before its barrier, or into the gaps after it."""
-    return mla.AlignPolicy(cluster_fill_after=request.param)
-
-
 @pytest.mark.parametrize("numel", [0, 1, 7, 8 * 256, 8 * 256 + 1, 8 * 1024 - 1, 8 * 1024,
                                    8 * 1024 + 33, CLUSTER_CAP - 1, CLUSTER_CAP])
 @pytest.mark.parametrize("E", [1, 64, 257, 4096])
-def test_cluster_base_sizes(numel, E, cluster_policy):
+def test_cluster_base_sizes(numel, E):
     _needs_clusters()
-    _base_case(E, numel, "cluster", False, salt=50, topk=1, scatter=numel % 2 == 1,
-               policy=cluster_policy)
+    _base_case(E, numel, "cluster", False, salt=50, topk=1, scatter=numel % 2 == 1)
 
 
 def test_cluster_refuses_past_its_routes():
@@ -402,10 +395,10 @@ def test_cluster_refuses_past_its_routes():
 
 
 @pytest.mark.parametrize("E,T", [(256, 256), (64, 4095), (512, 1024)])
-def test_cluster_one_expert_takes_every_route(E, T, cluster_policy):
+def test_cluster_one_expert_takes_every_route(E, T):
     _needs_clusters()
     ids = cupy.full((T, 8), 3, dtype=cupy.int32)
-    got = mla.moe_align_block_size(ids, 16, E, variant="cluster", policy=cluster_policy)
+    got = mla.moe_align_block_size(ids, 16, E, variant="cluster")
     padded = -(-T * 8 // 16) * 16
     assert int(got.num_tokens_post_pad[0]) == padded
     s = got.sorted_token_ids.get()
@@ -417,15 +410,15 @@ def test_cluster_one_expert_takes_every_route(E, T, cluster_policy):
 
 @pytest.mark.parametrize("rows", [1, 4, 16, 40])
 @pytest.mark.parametrize("E,T", [(64, 1), (256, 256), (128, 1024), (64, 4096)])
-def test_cluster_lora(E, T, rows, cluster_policy):
+def test_cluster_lora(E, T, rows):
     _needs_clusters()
-    _lora_case(E, T, "cluster", False, salt=51, max_loras=rows, topk=8, policy=cluster_policy)
+    _lora_case(E, T, "cluster", False, salt=51, max_loras=rows, topk=8)
     _lora_case(E, T, "cluster", False, salt=52, max_loras=rows, topk=8, allocate=True,
-               use_map=True, with_ids=False, disabled=2, policy=cluster_policy)
+               use_map=True, with_ids=False, disabled=2)
 
 
 @pytest.mark.parametrize("E,T,L", [(64, 1, 4), (256, 256, 16), (512, 1024, 4), (64, 4096, 16)])
-def test_cluster_pair_is_fused(E, T, L, cluster_policy):
+def test_cluster_pair_is_fused(E, T, L):
     """Base and LoRA in one launch of two clusters, against the NumPy backend."""
     _needs_clusters()
     rng = np.random.default_rng(E + T + L)
@@ -434,7 +427,7 @@ def test_cluster_pair_is_fused(E, T, L, cluster_policy):
     kw = dict(lora_ids=lora_ids, adapter_enabled=enabled)
     ref = mla.align_moe_and_lora(ids, mapping, 16, E, L, **kw)
     got = mla.align_moe_and_lora(cupy.asarray(ids), cupy.asarray(mapping), 16, E, L,
-                                 variant="cluster", streams="fused", policy=cluster_policy,
+                                 variant="cluster", streams="fused",
                                  **{k: cupy.asarray(v) for k, v in kw.items()})
     cupy.cuda.get_current_stream().synchronize()
     for side, rows, extra in ((0, 1, {}), (1, L, dict(mapping=mapping, lora_ids=lora_ids,
