@@ -54,19 +54,13 @@ __device__ __forceinline__ void cluster_arrive_relaxed() {
   asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
 }
 
-// The shared::cluster address of `local` (a shared-memory pointer of this block) in block
-// `rank` of the cluster: the same offset in that block's shared memory.
-__device__ __forceinline__ unsigned remote_address(const void* local, unsigned rank) {
-  const unsigned own = (unsigned)__cvta_generic_to_shared(local);
-  unsigned remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(own), "r"(rank));
-  return remote;
-}
-
-__device__ __forceinline__ int load_remote(unsigned address) {
-  int v;
-  asm volatile("ld.shared::cluster.u32 %0, [%1];" : "=r"(v) : "r"(address) : "memory");
-  return v;
+// `local` (a pointer into this block's shared memory) as a generic pointer to the same
+// place in block `rank` of the cluster. Plain loads through it reach that block's shared
+// memory, and the compiler issues them together like any other loads.
+__device__ __forceinline__ const int* in_block(const int* local, unsigned rank) {
+  unsigned long long remote;
+  asm("mapa.u64 %0, %1, %2;" : "=l"(remote) : "l"(local), "r"(rank));
+  return reinterpret_cast<const int*>(remote);
 }
 
 // The scan over buckets: warp w takes the contiguous run of buckets [w * span, (w + 1) *
@@ -121,15 +115,15 @@ __device__ __forceinline__ void align_in_cluster(const Problem& p) {
   // the padded totals (in starts, the warp's offset added below).
   const int span = ((nb + nwarps - 1) / nwarps + 31) & ~31;
   const int w0 = min(nb, warp * span), w1 = min(nb, w0 + span);
-  unsigned remote[CLUSTER_BLOCKS];
+  const int* remote[CLUSTER_BLOCKS];
 #pragma unroll
-  for (int k = 0; k < CLUSTER_BLOCKS; ++k) remote[k] = remote_address(hist, k);
+  for (int k = 0; k < CLUSTER_BLOCKS; ++k) remote[k] = in_block(hist, k);
   int carry = 0;
   for (int b0 = w0; b0 < w1; b0 += 32) {
     const int b = b0 + lane;
     int c[CLUSTER_BLOCKS];
 #pragma unroll
-    for (int k = 0; k < CLUSTER_BLOCKS; ++k) c[k] = b < w1 ? load_remote(remote[k] + 4 * b) : 0;
+    for (int k = 0; k < CLUSTER_BLOCKS; ++k) c[k] = b < w1 ? remote[k][b] : 0;
     int total = 0, earlier = 0;
 #pragma unroll
     for (int k = 0; k < CLUSTER_BLOCKS; ++k) {

@@ -5,7 +5,8 @@
 Every case runs through the public paths (plans for base and pair) under each of RUNS'
 policies: the dispatcher without clusters ("no clust": one block, the cooperative launch,
 count + place), the default policy, one cluster wherever it runs ("cluster"), and the cluster with other block
-sizes. Graph replay (moe_lora_align.bench.graph_us), the runs taking turns three times so
+sizes; with --baseline also the cluster kernel compiled from an earlier commit's kernel
+sources. Graph replay (moe_lora_align.bench.graph_us), the runs taking turns three times so
 drift hits all, the median kept; every result is checked against the NumPy backend first
 (scripts/tiny_experiment.py: make_call).
 """
@@ -20,6 +21,7 @@ from pathlib import Path
 import cupy
 
 import moe_lora_align as mla
+from moe_lora_align import _kernels
 from moe_lora_align.bench import graph_us
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -45,7 +47,6 @@ RUNS = [  # name, AlignPolicy fields
     ("no clust", {"cluster_max_routes": 0}),
     ("default", {}),
     ("cluster", EVERYWHERE),
-    ("cl 128", dict(EVERYWHERE, cluster_min_block=128)),
     ("cl 512", dict(EVERYWHERE, cluster_min_block=512)),
 ]
 
@@ -53,15 +54,21 @@ RUNS = [  # name, AlignPolicy fields
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--baseline", type=Path,
+                    help="kernel sources of an earlier commit: one more run, its cluster kernel")
     args = ap.parse_args()
+    runs = [(name, settings, None) for name, settings in RUNS]
+    if args.baseline:
+        runs.append(("cl base", EVERYWHERE, args.baseline.resolve()))
     stream = cupy.cuda.Stream(non_blocking=True)
     report = {}
-    print(f"{'case':40s} " + " ".join(f"{n:>9s}" for n, _ in RUNS)
+    print(f"{'case':40s} " + " ".join(f"{n:>9s}" for n, _, _ in runs)
           + "   (graph us, median of 3 in turn)")
     for case in CASES:
         times = {}
         for _ in range(3):
-            for name, settings in RUNS:
+            for name, settings, directory in runs:
+                _kernels.use_build(_kernels.KernelBuild(source_dir=directory))
                 try:
                     fn = make_call(case, stream, False, mla.AlignPolicy(**settings))
                 except ValueError as e:
@@ -69,9 +76,10 @@ def main():
                     print(f"  {name}: refused: {e}", file=sys.stderr)
                     continue
                 times.setdefault(name, []).append(graph_us(fn, stream))
+        _kernels.use_build(_kernels.KernelBuild())
         med = {n: statistics.median(v) for n, v in times.items()}
         report[str(case)] = {"median_us": med, "all_us": times}
-        print(f"{case!s:40s} " + " ".join(f"{med[n]:9.2f}" for n, _ in RUNS), flush=True)
+        print(f"{case!s:40s} " + " ".join(f"{med[n]:9.2f}" for n, _, _ in runs), flush=True)
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
     return 0
