@@ -23,7 +23,7 @@ class Array(Protocol):
     def dtype(self) -> Any: ...
 
 
-Variant = Optional[Literal["shared", "global", "cooperative"]]
+Variant = Optional[Literal["shared", "global", "cooperative", "cluster"]]
 Streams = Optional[Literal["fused", "one", "two"]]
 
 
@@ -107,8 +107,10 @@ def moe_align_block_size(topk_ids: Array, block_size: int, num_experts: int,
             Sizes: ``buffer_sizes(numel, E, B, pad_sorted_ids)``.
         variant: ``None`` (the dispatcher picks), ``"shared"`` (shared-memory histograms:
             one block at decode sizes, else a count and a place launch), ``"global"``
-            (counters in global memory, any number of buckets) or ``"cooperative"`` (one
-            launch of resident blocks with a grid-wide barrier).
+            (counters in global memory, any number of buckets), ``"cooperative"`` (one
+            launch of resident blocks with a grid-wide barrier) or ``"cluster"`` (one
+            launch of one 8-block thread-block cluster, sm_90 and newer, up to 65536
+            routes, not deterministic).
         stream: GPU only: the stream to order the work on (a ``cupy.cuda.Stream`` or a
             framework stream); default: the current stream of the input's framework.
         validate: check values (``expert_map`` range); default on for host arrays, off for
