@@ -399,6 +399,32 @@ __device__ __forceinline__ int row_of(const Problem& p, int bucket) {
   return fast_div(bucket, p.experts_magic, p.experts_shift);
 }
 
+// -1 into every tile of every written row, over threads [0, nthreads) from `tid`: one flat
+// range over the rows (few tiles a row). Kernels that write it before counting overwrite the
+// owned tiles afterwards (write_bucket_tiles), ordered by a barrier.
+__device__ __forceinline__ void fill_tile_ids(const Problem& p, const unsigned char* processed,
+                                              int tid, int nthreads) {
+#pragma unroll 1
+  for (int k = tid; k < p.rows * p.num_tiles; k += nthreads) {
+    const int r = fast_div(k, p.tiles_magic, p.tiles_shift);
+    if (row_written(p, processed, r))
+      p.expert_ids[(long long)r * p.expert_pitch + (k - r * p.num_tiles)] = -1;
+  }
+}
+
+// Bucket b's tiles, `tiles` of them from its segment start `start` (all rows' scan: `starts`
+// holds the row's first start at r * E), get its expert id (mapped when map_mode == 2).
+__device__ __forceinline__ void write_bucket_tiles(const Problem& p, const int* starts, int b,
+                                                   int start, int tiles) {
+  const int E = p.num_experts, r = row_of(p, b);
+  int value = b - r * E;
+  if (p.map_mode == 2) value = p.expert_map[value];
+  int* tile = p.expert_ids + (long long)r * p.expert_pitch +
+              fast_div(start - starts[r * E], p.block_magic, p.block_shift);
+#pragma unroll 1
+  for (int k = 0; k < tiles; ++k) tile[k] = value;
+}
+
 // Position of a route inside its row: segment start + rank.
 __device__ __forceinline__ long long output_index(const Problem& p, const int* starts, int bucket, int rank) {
   const int r = row_of(p, bucket);

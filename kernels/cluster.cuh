@@ -70,7 +70,7 @@ __device__ __forceinline__ const int* in_block(const int* local, unsigned rank) 
 template <typename IdT>
 __device__ __forceinline__ void align_in_cluster(const Problem& p) {
   __shared__ int warp_sums[32];
-  const int nb = num_buckets(p), E = p.num_experts, bd = blockDim.x, tid = threadIdx.x;
+  const int nb = num_buckets(p), bd = blockDim.x, tid = threadIdx.x;
   const int lane = tid & 31, warp = tid >> 5, nwarps = bd >> 5;
   const int rank = (int)cluster_rank();
   unsigned char* processed = dynamic_smem;
@@ -90,11 +90,7 @@ __device__ __forceinline__ void align_in_cluster(const Problem& p) {
   // This block's share of the fills, cut over the cluster's threads; the barrier below
   // orders them before the route and tile-owner stores of every block.
   fill_rows(p, processed, p.sorted_ids, p.sorted_pitch, p.padded_len, p.numel, ctid, cthreads);
-  for (int k = ctid; k < p.rows * p.num_tiles; k += cthreads) {
-    const int r = fast_div(k, p.tiles_magic, p.tiles_shift);
-    if (row_written(p, processed, r))
-      p.expert_ids[(long long)r * p.expert_pitch + (k - r * p.num_tiles)] = -1;
-  }
+  fill_tile_ids(p, processed, ctid, cthreads);
   MLA_STAMP(4, 2);
 
   int bucket[CLUSTER_ITEMS], rank_in_block[CLUSTER_ITEMS];
@@ -105,8 +101,7 @@ __device__ __forceinline__ void align_in_cluster(const Problem& p) {
     if (p.scatter_idx != nullptr && i < c1) p.scatter_idx[i] = bucket[j] >= 0 ? i : -1;
     rank_in_block[j] = claim(hist, bucket[j]);
   }
-  __syncthreads();
-  cluster_arrive();
+  cluster_arrive();  // a barrier of every thread of the cluster, this block's too
   cluster_wait();
   MLA_STAMP(4, 3);
 
@@ -159,15 +154,8 @@ __device__ __forceinline__ void align_in_cluster(const Problem& p) {
   // Tile owners: bucket b's tiles are written by block b % CLUSTER_BLOCKS, by the thread
   // that takes b among that block's share (only processed rows have counts).
   for (int b = rank + CLUSTER_BLOCKS * tid; b < nb; b += CLUSTER_BLOCKS * bd) {
-    const int n = fast_div(starts[b + 1] - starts[b], p.block_magic, p.block_shift);
-    if (n == 0) continue;
-    const int r = row_of(p, b);
-    int value = b - r * E;
-    if (p.map_mode == 2) value = p.expert_map[value];
-    const int first = fast_div(starts[b] - starts[r * E], p.block_magic, p.block_shift);
-    int* tile = p.expert_ids + (long long)r * p.expert_pitch + first;
-#pragma unroll 1
-    for (int k = 0; k < n; ++k) tile[k] = value;
+    const int tiles = fast_div(starts[b + 1] - starts[b], p.block_magic, p.block_shift);
+    if (tiles != 0) write_bucket_tiles(p, starts, b, starts[b], tiles);
   }
   if (rank == 0) write_totals(p, processed, starts);
   MLA_STAMP(4, 6);

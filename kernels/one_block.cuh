@@ -116,7 +116,7 @@ __global__ void align_pair(const Problem first, const Problem second) {
 template <typename IdT, int PER, bool DET>
 __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
   __shared__ int warp_sums[32];
-  const int nb = num_buckets(p), E = p.num_experts, tid = threadIdx.x;
+  const int nb = num_buckets(p), tid = threadIdx.x;
   const int lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
   const int first = tid * PER;  // buckets [first, first + PER) are this thread's
   unsigned char* processed = dynamic_smem;
@@ -171,13 +171,7 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
 #pragma unroll 1
     for (int r = 0; r < p.rows; ++r) fill_row(r, tid, blockDim.x);
   }
-  // Tiles as one flat range over the rows (few per row).
-#pragma unroll 1
-  for (int k = tid; k < p.rows * p.num_tiles; k += blockDim.x) {
-    const int r = fast_div(k, p.tiles_magic, p.tiles_shift);
-    if (row_written(p, processed, r))
-      p.expert_ids[(long long)r * p.expert_pitch + (k - r * p.num_tiles)] = -1;
-  }
+  fill_tile_ids(p, processed, tid, blockDim.x);
   MLA_STAMP(0, 1);
 
   int bucket[TINY_ITEMS], rank[TINY_ITEMS];
@@ -230,15 +224,9 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
   // Tiles of this thread's buckets (only processed rows have counts).
 #pragma unroll
   for (int q = 0; q < PER; ++q) {
-    if (padded[q] == 0) continue;
-    const int b = first + q, r = row_of(p, b);
-    int value = b - r * E;
-    if (p.map_mode == 2) value = p.expert_map[value];
-    int* tile = p.expert_ids + (long long)r * p.expert_pitch +
-                fast_div(start[q] - starts[r * E], p.block_magic, p.block_shift);
-    const int n = fast_div(padded[q], p.block_magic, p.block_shift);
-#pragma unroll 1
-    for (int k = 0; k < n; ++k) tile[k] = value;
+    if (padded[q] != 0)
+      write_bucket_tiles(p, starts, first + q, start[q],
+                         fast_div(padded[q], p.block_magic, p.block_shift));
   }
   write_totals(p, processed, starts);
   MLA_STAMP(0, 4);

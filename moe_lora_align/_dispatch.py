@@ -269,12 +269,11 @@ def _cooperative(numel, num_buckets, rows, limits, out_entries, deterministic=Fa
                   smem_place=smem)
 
 
-def cluster_block_threads(numel: int, num_buckets: int,
+def cluster_block_threads(chunk: int, num_buckets: int,
                           policy: AlignPolicy = DEFAULT_POLICY) -> int:
     """Threads of each align_cluster block: ``cluster_routes_per_thread`` routes a thread of
-    the block's chunk and ``buckets_per_thread`` buckets a thread of the scan, at least
-    ``cluster_min_block`` (the fill spreads over them), at most BLOCK; whole warps."""
-    chunk = _ceil_div(max(numel, 1), CLUSTER_BLOCKS)
+    the block's ``chunk`` of routes and ``buckets_per_thread`` buckets a thread of the scan,
+    at least ``cluster_min_block`` (the fill spreads over them), at most BLOCK; whole warps."""
     want = max(policy.cluster_min_block, _ceil_div(num_buckets, policy.buckets_per_thread),
                _ceil_div(chunk, max(1, policy.cluster_routes_per_thread)),
                _ceil_div(chunk, CLUSTER_ITEMS))
@@ -293,9 +292,9 @@ def _cluster(numel, num_buckets, rows, limits, deterministic=False,
     smem = smem_cluster(num_buckets, rows)
     if smem > limits.dynamic_smem:
         return None
-    block = cluster_block_threads(numel, num_buckets, policy)
-    return Launch("cluster", "cluster", False, block, grid=CLUSTER_BLOCKS,
-                  chunk=_ceil_div(max(numel, 1), CLUSTER_BLOCKS), smem_place=smem)
+    chunk = _ceil_div(max(numel, 1), CLUSTER_BLOCKS)
+    return Launch("cluster", "cluster", False, cluster_block_threads(chunk, num_buckets, policy),
+                  grid=CLUSTER_BLOCKS, chunk=chunk, smem_place=smem)
 
 
 def in_cluster_range(numel: int, num_buckets: int, policy: AlignPolicy) -> bool:
@@ -440,12 +439,14 @@ def _forced_cluster(numel, num_buckets, rows, limits, deterministic, policy):
 
 
 def choose_cluster_pair(numel: int, base_buckets: int, lora_buckets: int, rows: int,
-                        limits: DeviceLimits, policy: AlignPolicy = DEFAULT_POLICY):
+                        limits: DeviceLimits, *, deterministic: bool = False,
+                        policy: AlignPolicy = DEFAULT_POLICY):
     """Base and LoRA in one launch of two clusters (cluster 0 base, cluster 1 LoRA): both
     sides have the same routes, so one geometry serves both, with the larger side's shared
-    memory; None where align_cluster cannot run either side."""
-    base = _cluster(numel, base_buckets, 1, limits, policy=policy)
-    lora = _cluster(numel, lora_buckets, rows, limits, policy=policy)
+    memory; None where align_cluster cannot run either side (deterministic ranks among
+    them)."""
+    base = _cluster(numel, base_buckets, 1, limits, deterministic, policy)
+    lora = _cluster(numel, lora_buckets, rows, limits, deterministic, policy)
     if base is None or lora is None:
         return None
     return Launch("cluster", "cluster", False, lora.block, grid=2 * CLUSTER_BLOCKS,

@@ -467,11 +467,12 @@ def choose_streams(base: Job, lora: Job, device_id: int, streams=None, variant=N
     ``streams`` was checked where the call entered. Returns (mode, fused launch or None)."""
     limits = device_limits(device_id)
     pair = None
-    if not base.deterministic and (variant == "cluster" or (
+    if variant == "cluster" or (
             variant is None and _dispatch.in_cluster_range(base.numel, lora.num_buckets,
-                                                           policy))):
+                                                           policy)):
         pair = _dispatch.choose_cluster_pair(base.numel, base.num_buckets, lora.num_buckets,
-                                             lora.rows, limits, policy)
+                                             lora.rows, limits,
+                                             deterministic=base.deterministic, policy=policy)
     if pair is None and variant in (None, "shared"):
         pair = _dispatch.choose_pair(base.numel, base.num_buckets, lora.num_buckets, lora.rows,
                                      limits, deterministic=base.deterministic,

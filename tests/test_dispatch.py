@@ -495,6 +495,7 @@ def test_cluster_pair_shares_one_geometry():
     assert pair.smem_place == max(d.smem_cluster(256, 1), d.smem_cluster(1024, 4))
     d.check_launch(pair, 4096, [(256, 1), (1024, 4)], H200)
     assert d.choose_cluster_pair(4096, 256, 1024, 4, NO_CLUSTERS) is None
+    assert d.choose_cluster_pair(4096, 256, 1024, 4, H200, deterministic=True) is None
 
 
 def test_check_launch_refuses_a_broken_cluster_launch():
