@@ -169,6 +169,7 @@ __device__ __forceinline__ void align_cooperatively(const Problem& p, int block,
   MLA_STAMP(3, 3);
   blocks_barrier(ctrl + 4 + parity, (unsigned)blocks);
   if (DET) {
+    MLA_STAMP(3, 7);
     // Each warp of the grid turns one bucket's column of per-block counts into exclusive
     // prefixes (in block order), then a second barrier publishes them.
     for (int b = block * nwarps + warp; b < nb; b += blocks * nwarps) {

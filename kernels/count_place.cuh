@@ -119,6 +119,7 @@ __global__ void align_count(const Problem p) {
         run += v;
       }
     }
+    MLA_STAMP(1, 7);
   }
   write_totals(p, processed, starts);
   if (threadIdx.x == 0) *p.ticket = 0u;
