@@ -1,9 +1,11 @@
 // Alignment kernels, one file a launch shape: one_block.cuh (decode sizes: align_single, and
 // align_tiny where every bucket has its own thread; align_pair / align_tiny_pair run a base and
 // a LoRA alignment in one launch of two blocks), count_place.cuh (two launches: count, place),
-// cooperative.cuh (one launch of resident blocks with a grid-wide barrier) and cluster.cuh (one
-// launch of one thread-block cluster, sm_90 and newer). This file holds
-// what they share beyond align_common.cuh; _kernels.source() inlines the includes.
+// cooperative.cuh (one launch of resident blocks with a grid-wide barrier), cluster.cuh (one
+// launch of one thread-block cluster, sm_90 and newer) and order.cuh (a launch after the
+// cooperative or count + place kernels that sorts each bucket's segment: their output made
+// deterministic). This file holds what they share beyond align_common.cuh;
+// _kernels.source() inlines the includes.
 //
 // Variants of the counting stage (MODE):
 //   MODE_SHARED (0) per-block histograms in shared memory, flushed to global counts;
@@ -68,3 +70,4 @@ __device__ __forceinline__ BlockShare block_share(const Problem& p, int nb) {
 #include "count_place.cuh"
 #include "cooperative.cuh"
 #include "cluster.cuh"
+#include "order.cuh"

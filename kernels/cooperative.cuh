@@ -195,6 +195,8 @@ __device__ __forceinline__ void align_cooperatively(const Problem& p, int block,
   scan_padded_counts(p, nb, [&](int b) { return starts[b]; }, starts, warp_sums);
   if (block == 0) {
     write_totals(p, processed, starts);
+    // The segment starts, for align_order (deterministic output by a second launch).
+    for (int b = threadIdx.x; b <= nb; b += blockDim.x) p.starts[b] = starts[b];
     if (threadIdx.x == 0) ctrl[0] = (unsigned)(parity ^ 1);  // every block read it before the barrier
   }
   // adj[b] := where the block's route k of bucket b goes, minus k.

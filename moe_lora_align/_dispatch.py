@@ -9,7 +9,7 @@ measurements behind its defaults are in ``docs/tuning.md``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Tuple
 
 # Constants of the kernels (tests/test_dispatch.py reads them back from the CUDA source).
@@ -21,6 +21,8 @@ TINY_BUCKETS = 4              # TINY_BUCKETS: align_tiny's buckets a thread when
 COOP_ITEMS = 8                # COOP_ITEMS: the cooperative kernels' routes a thread, at most
 CLUSTER_BLOCKS = 8            # CLUSTER_BLOCKS: blocks of align_cluster's one cluster
 CLUSTER_ITEMS = 8             # CLUSTER_ITEMS: align_cluster's routes a thread, at most
+ORDER_ITEMS = 4               # ORDER_ITEMS: entries a lane holds in align_order's warp sort
+ORDER_WARP_MAX = 32 * ORDER_ITEMS  # segments up to this long are sorted by a warp
 SINGLE_BLOCK_MAX_ROUTES = BLOCK * ITEMS_PER_THREAD
 WARP_COUNTER_MAX = 65535      # unsigned short per-warp counters bound a deterministic chunk
 SMEM_SLACK = 512              # bytes of a block's shared memory kept for the kernels' static
@@ -52,6 +54,10 @@ class AlignPolicy:
     cluster_max_buckets: int = 1024
     cluster_routes_per_thread: int = 2
     cluster_min_block: int = 256
+    # Deterministic calls that would run the cooperative or count + place kernels run them
+    # without ordered ranks, then align_order sorts each bucket's segment (False: the
+    # kernels' own ordered ranking, a [chunks, buckets] prefix).
+    sort_for_determinism: bool = True
     # Multi-block launches.
     fill_per_block: int = 8192           # sentinel entries a count block fills, about
     chunk_matrix_budget: int = 1 << 18   # entries of the deterministic [chunks, buckets] matrix
@@ -108,6 +114,9 @@ class Launch:
     starts_in_smem: bool = False  # place kernel copies the segment starts to shared memory
     stage_output: bool = False    # place kernel stages routes for coalesced stores (shared)
     tiny: bool = False            # single: align_tiny (a thread per bucket), not align_single
+    order_grid: int = 0       # > 0: then align_order, this many blocks, sorts every segment
+                              #   (deterministic output from a non-deterministic kernel)
+    smem_order: int = 0       # dynamic shared bytes of align_order (its bitmap)
 
     @property
     def mode(self) -> int:
@@ -118,7 +127,12 @@ class Launch:
 
     @property
     def launches(self) -> int:
-        return 2 if self.kind == "multi" else 1
+        return (2 if self.kind == "multi" else 1) + (1 if self.order_grid else 0)
+
+    @property
+    def deterministic_output(self) -> bool:
+        """Routes in flat order: ranked so by the kernel, or sorted so by align_order."""
+        return self.deterministic or self.order_grid > 0
 
 
 def row_region_bytes(rows: int) -> int:
@@ -169,6 +183,27 @@ def smem_cooperative(num_buckets: int, rows: int, chunk: int, deterministic: boo
 def smem_cluster(num_buckets: int, rows: int) -> int:
     """align_cluster: hist[nb], starts[nb + 1], before[nb]."""
     return row_region_bytes(rows) + 4 * (3 * num_buckets + 1)
+
+
+def smem_order(numel: int) -> int:
+    """align_order: a bitmap of the route indices, one bit a route."""
+    return 4 * max(1, _ceil_div(numel, 32))
+
+
+def order_grid(num_buckets: int, limits: DeviceLimits) -> int:
+    """align_order's blocks: a warp for each bucket (the short segments), and at least two
+    blocks an SM for the long ones (a block a segment)."""
+    return max(_ceil_div(num_buckets, BLOCK // 32), min(num_buckets, 2 * limits.sm_count))
+
+
+def _sorted_after(launch: Launch, numel: int, num_buckets: int, limits: DeviceLimits):
+    """``launch`` (non-deterministic) followed by align_order, or None where that does
+    not apply: a kernel that leaves no segment starts in global memory (one block, one
+    cluster) or a bitmap of the routes that does not fit in shared memory."""
+    if launch.kind not in ("cooperative", "multi") or smem_order(numel) > limits.dynamic_smem:
+        return None
+    return replace(launch, order_grid=order_grid(num_buckets, limits),
+                   smem_order=smem_order(numel))
 
 
 def shared_fits(num_buckets: int, rows: int, limits: DeviceLimits) -> bool:
@@ -317,10 +352,23 @@ def choose_launch(numel: int, num_buckets: int, rows: int, limits: DeviceLimits,
     cannot run these sizes raises ``ValueError``. Left to itself the dispatcher picks one
     cluster between the policy's ``cluster_min_routes`` and ``cluster_max_routes`` where the
     device has clusters, else one block at decode sizes, else the cooperative launch where it
-    fits, else count + place.
+    fits, else count + place. A deterministic call takes the same pick (clusters aside) and
+    sorts each segment after it (``align_order``) where the pick is the cooperative or
+    count + place launch (``policy.sort_for_determinism``), else the kernels that rank routes
+    in flat order themselves.
     """
     if variant is not None and variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS} or None, got {variant!r}")
+    if deterministic and policy.sort_for_determinism and variant != "cluster":
+        # The non-deterministic pick (a cluster cannot be sorted after: without it), sorted.
+        try:
+            fast = choose_launch(numel, num_buckets, rows, replace(limits, clusters=False),
+                                 variant=variant, out_entries=out_entries, policy=policy)
+        except ValueError:
+            fast = None  # the forced variant refuses these sizes: its ordered kernels decide
+        sorted_launch = fast and _sorted_after(fast, numel, num_buckets, limits)
+        if sorted_launch is not None:
+            return sorted_launch
     if variant == "cooperative":
         return _forced_cooperative(numel, num_buckets, rows, limits, deterministic, out_entries,
                                    policy)
@@ -568,15 +616,17 @@ def kernel_demands(launch, numel: int, sides) -> list:
         return [("cluster" if len(sides) == 1 else "cluster_pair", launch.grid, launch.block,
                  launch.smem_place, need)]
     (nb, rows), = sides
+    order = ([("order", launch.order_grid, BLOCK, launch.smem_order, smem_order(numel))]
+             if launch.order_grid else [])
     if launch.kind == "cooperative":
         return [("cooperative", launch.grid, launch.block, launch.smem_place,
-                 smem_cooperative(nb, rows, launch.chunk, launch.deterministic))]
+                 smem_cooperative(nb, rows, launch.chunk, launch.deterministic))] + order
     staged = launch.chunk if launch.stage_output else 0
     return [("count", launch.count_grid, launch.block, launch.smem_count,
              smem_count(launch.mode, nb, rows, launch.range_width)),
             ("place", launch.grid, launch.block, launch.smem_place,
              smem_place(launch.mode, nb, rows, range_width=launch.range_width,
-                        starts_in_smem=launch.starts_in_smem, stage_chunk=staged))]
+                        starts_in_smem=launch.starts_in_smem, stage_chunk=staged))] + order
 
 
 def check_launch(launch, numel: int, sides, limits: DeviceLimits) -> None:

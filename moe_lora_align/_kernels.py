@@ -111,6 +111,7 @@ def kernel_names(dtype) -> dict:
     names[("cooperative_pair", 0)] = f"align_cooperative_pair<{t}>"
     names[("cluster", False)] = f"align_cluster<{t}>"
     names[("cluster_pair", False)] = f"align_cluster_pair<{t}>"
+    names[("order", False)] = f"align_order<{t}>"
     return names
 
 

@@ -352,19 +352,20 @@ def launch_one(job: Job, launch: _dispatch.Launch, ws: Workspace, stream, device
     if launch.kind == "single":
         key = ("tiny" if launch.tiny else "single", launch.deterministic)
         launch_kernel(ks, key, launch.grid, launch.block, launch.smem_single, stream, job)
-        return
-    if launch.kind == "cooperative":
+    elif launch.kind == "cooperative":
         launch_kernel(ks, ("cooperative", launch.deterministic), launch.grid, launch.block,
                       launch.smem_place, stream, job, cooperative=True)
-        return
-    if launch.kind == "cluster":
+    elif launch.kind == "cluster":
         launch_kernel(ks, ("cluster", False), launch.grid, launch.block,
                       launch.smem_place, stream, job)
-        return
-    launch_kernel(ks, ("count", launch.mode), launch.count_grid, launch.block,
-                  launch.smem_count, stream, job)
-    launch_kernel(ks, ("place", launch.mode), launch.grid, launch.block, launch.smem_place,
-                  stream, job)
+    else:
+        launch_kernel(ks, ("count", launch.mode), launch.count_grid, launch.block,
+                      launch.smem_count, stream, job)
+        launch_kernel(ks, ("place", launch.mode), launch.grid, launch.block,
+                      launch.smem_place, stream, job)
+    if launch.order_grid:  # deterministic output: every segment sorted in place
+        launch_kernel(ks, ("order", False), launch.order_grid, _dispatch.BLOCK,
+                      launch.smem_order, stream, job)
 
 
 def _current(stream):

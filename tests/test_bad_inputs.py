@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import dataclasses
 import numpy as np
 import pytest
 
@@ -243,8 +244,13 @@ def test_scratch_bytes_formula():
     h200 = mla._dispatch.DeviceLimits.h200()
     # decode: one block, a workspace of 1 bucket's worth unused, b = 256
     assert mla.scratch_bytes(8, 256, 64, limits=h200) == 4 * (5 * 256 + 10 + 1)
-    # deterministic prefill through the cooperative kernel: per-block counts, grid * b
-    launch = mla._dispatch.choose_launch(32768, 256, 1, h200, deterministic=True,
-                                         out_entries=32768 * 2 + 256 * 64)
+    # deterministic prefill: the cooperative kernel, then align_order: no matrix
     assert mla.scratch_bytes(32768, 256, 64, deterministic=True, limits=h200) == \
-        4 * (5 * 256 + 10 + launch.grid * 256)
+        4 * (5 * 256 + 10 + 1)
+    # the cooperative kernel's own ordered ranks: per-block counts, grid * b
+    ordered = dataclasses.replace(mla.AlignPolicy(), sort_for_determinism=False)
+    launch = mla._dispatch.choose_launch(32768, 256, 1, h200, deterministic=True,
+                                         out_entries=32768 * 2 + 256 * 64, policy=ordered)
+    assert launch.kind == "cooperative" and launch.deterministic
+    assert mla.scratch_bytes(32768, 256, 64, deterministic=True, limits=h200,
+                             policy=ordered) == 4 * (5 * 256 + 10 + launch.grid * 256)

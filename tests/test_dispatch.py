@@ -1,5 +1,7 @@
 """The dispatcher's decisions for a table of cases (pure: no GPU)."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -9,6 +11,8 @@ H200 = d.DeviceLimits.h200()
 SMALL = d.DeviceLimits(sm_count=16, smem_optin=48 * 1024)
 NO_COOP = d.DeviceLimits(sm_count=132, smem_optin=232448, cooperative=False)
 NO_CLUSTERS = d.DeviceLimits(sm_count=132, smem_optin=232448, cooperative=True)
+# Deterministic calls through the kernels' own ordered ranks (no align_order after them).
+ORDERED = dataclasses.replace(d.DEFAULT_POLICY, sort_for_determinism=False)
 
 
 @pytest.mark.parametrize("numel,buckets,rows,limits,det,variant,expect", [
@@ -22,7 +26,7 @@ NO_CLUSTERS = d.DeviceLimits(sm_count=132, smem_optin=232448, cooperative=True)
     (4096, 4 * 256, 4, H200, False, None, ("cluster", "cluster", 1)),
     (2048, 256, 1, NO_CLUSTERS, False, None, ("shared", "single", 1)),
     (4097, 256, 1, NO_CLUSTERS, False, None, ("cooperative", "cooperative", 1)),
-    (4097, 256, 1, H200, True, None, ("cooperative", "cooperative", 1)),
+    (4097, 256, 1, H200, True, None, ("cooperative", "cooperative", 2)),
     (4096, 8192, 1, H200, False, None, ("shared", "single", 1)),
     (2048, 256, 1, H200, True, None, ("shared", "single", 1)),
     # prefill sizes: one cooperative launch where it can run, else count + place
@@ -34,18 +38,18 @@ NO_CLUSTERS = d.DeviceLimits(sm_count=132, smem_optin=232448, cooperative=True)
     (16384 * 8, 16 * 4096, 16, H200, False, None, ("global", "multi", 2)),
     (4097, 256, 1, NO_COOP, False, None, ("shared", "multi", 2)),
     (65536 * 8, 256, 1, NO_COOP, False, None, ("shared", "multi", 2)),
-    (16384 * 8, 16 * 256, 16, H200, True, None, ("shared", "multi", 2)),
-    (65536 * 8, 256, 1, H200, True, None, ("cooperative", "cooperative", 1)),
-    (16384 * 8, 4 * 512, 4, H200, True, None, ("cooperative", "cooperative", 1)),
-    (65536 * 8, 256, 1, NO_COOP, True, None, ("shared", "multi", 2)),
+    (16384 * 8, 16 * 256, 16, H200, True, None, ("cooperative", "cooperative", 2)),
+    (65536 * 8, 256, 1, H200, True, None, ("cooperative", "cooperative", 2)),
+    (16384 * 8, 4 * 512, 4, H200, True, None, ("cooperative", "cooperative", 2)),
+    (65536 * 8, 256, 1, NO_COOP, True, None, ("shared", "multi", 3)),
     # too many buckets for shared memory: the global variant, whatever the size
     (8, 65536, 16, H200, False, None, ("global", "multi", 2)),
     (65536 * 8, 65536, 16, H200, False, None, ("global", "multi", 2)),
-    (65536 * 8, 65536, 16, H200, True, None, ("global", "multi", 2)),
+    (65536 * 8, 65536, 16, H200, True, None, ("global", "multi", 3)),
     (2048, 16 * 1024, 16, SMALL, False, None, ("global", "multi", 2)),
     # explicit variants
     (8, 64, 1, H200, False, "global", ("global", "multi", 2)),
-    (2048, 256, 1, H200, True, "global", ("global", "multi", 2)),
+    (2048, 256, 1, H200, True, "global", ("global", "multi", 3)),
     (65536, 1024, 1, H200, False, "shared", ("shared", "multi", 2)),
     (8, 64, 1, H200, False, "cooperative", ("cooperative", "cooperative", 1)),
     (0, 64, 1, H200, False, "cooperative", ("cooperative", "cooperative", 1)),
@@ -57,7 +61,9 @@ NO_CLUSTERS = d.DeviceLimits(sm_count=132, smem_optin=232448, cooperative=True)
 def test_decisions(numel, buckets, rows, limits, det, variant, expect):
     launch = d.choose_launch(numel, buckets, rows, limits, deterministic=det, variant=variant)
     assert (launch.variant, launch.kind, launch.launches) == expect
-    assert launch.deterministic == det
+    assert launch.deterministic_output == det
+    # Deterministic output: the kernels' own ordered ranks, or align_order after them.
+    assert not (launch.deterministic and launch.order_grid)
     assert launch.block % 32 == 0 and launch.block <= 1024
     assert launch.grid >= 1
     for smem in (launch.smem_single, launch.smem_count, launch.smem_place):
@@ -67,7 +73,7 @@ def test_decisions(numel, buckets, rows, limits, det, variant, expect):
         assert chunks * launch.chunk >= numel
         assert launch.chunk >= 1
         assert launch.grid <= launch.count_grid <= max(launch.grid, limits.sm_count)
-        if det:
+        if launch.deterministic:
             assert launch.chunk <= d.WARP_COUNTER_MAX
             assert launch.ranges * launch.range_width >= buckets
             assert launch.range_width % 2 == 0
@@ -93,7 +99,39 @@ def test_shared_override_that_cannot_fit_is_a_clear_error():
 ])
 def test_cooperative_override_that_cannot_run_is_a_clear_error(numel, buckets, limits, det, why):
     with pytest.raises(ValueError, match=why):
-        d.choose_launch(numel, buckets, 1, limits, variant="cooperative", deterministic=det)
+        d.choose_launch(numel, buckets, 1, limits, variant="cooperative", deterministic=det,
+                        policy=ORDERED)
+
+
+def test_deterministic_calls_sort_after_the_fast_kernels():
+    """Deterministic: the non-deterministic pick, then align_order, where the pick leaves its
+    segment starts in global memory and the bitmap of the routes fits; else the kernels'
+    own ordered ranks."""
+    for numel, nb, rows, limits, variant in ((65536 * 8, 256, 1, H200, None),
+                                             (1024, 4096, 1, H200, "cooperative"),
+                                             (16384 * 8, 16 * 256, 16, NO_COOP, None),
+                                             (2048, 256, 1, H200, "shared")):
+        fast = d.choose_launch(numel, nb, rows, limits, variant=variant)
+        det = d.choose_launch(numel, nb, rows, limits, variant=variant, deterministic=True)
+        if fast.kind == "single":  # no starts in global memory: ordered ranks
+            assert det.deterministic and not det.order_grid
+            continue
+        assert det == dataclasses.replace(fast, order_grid=d.order_grid(nb, limits),
+                                          smem_order=d.smem_order(numel))
+        assert det.launches == fast.launches + 1 and det.deterministic_output
+        assert det.order_grid * (d.BLOCK // 32) >= nb  # a warp a bucket
+    # A cluster pick (mid band): the cooperative launch and align_order instead.
+    mid = d.choose_launch(8192, 256, 1, H200, deterministic=True)
+    assert mid.kind == "cooperative" and mid.order_grid
+    # Decode: one block ranks in order.
+    assert d.choose_launch(64, 256, 1, H200, deterministic=True).kind == "single"
+    # More routes than a bitmap in shared memory holds: ordered ranks.
+    huge = 8 * H200.dynamic_smem * 8 + 1
+    launch = d.choose_launch(huge, 256, 1, NO_COOP, deterministic=True)
+    assert launch.deterministic and not launch.order_grid
+    # Sorting off: ordered ranks everywhere.
+    launch = d.choose_launch(65536 * 8, 256, 1, H200, deterministic=True, policy=ORDERED)
+    assert launch.deterministic and not launch.order_grid and launch.launches == 1
 
 
 def test_cooperative_fill_spreads_over_the_sms():
@@ -114,7 +152,7 @@ def test_work_spreads_over_the_sms():
     for limits in (H200, NO_COOP):
         launch = d.choose_launch(65536 * 8, 256, 1, limits)
         assert launch.grid >= H200.sm_count * 0.9
-    det = d.choose_launch(65536 * 8, 256, 1, NO_COOP, deterministic=True)
+    det = d.choose_launch(65536 * 8, 256, 1, NO_COOP, deterministic=True, policy=ORDERED)
     assert det.grid >= H200.sm_count
 
 
@@ -221,7 +259,7 @@ def test_fill_blocks_join_the_count_kernel():
     assert d.choose_launch(65536 * 8, 256, 1, H200, out_entries=10**9,
                            variant="shared").count_grid == H200.sm_count
     det = d.choose_launch(4096 * 8, 16 * 256, 16, H200, out_entries=16 * 48896,
-                          deterministic=True)
+                          deterministic=True, policy=ORDERED)
     assert det.count_grid == det.grid
 
 
@@ -325,7 +363,9 @@ def test_decode_with_a_large_fill_prefers_the_cooperative_launch():
     assert d.choose_launch(2048, 16 * 256, 16, H200, out_entries=entries,
                            variant="shared").kind == "single"
     assert d.choose_launch(2048, 16 * 256, 16, H200, out_entries=entries,
-                           deterministic=True).kind == "single"
+                           deterministic=True, policy=ORDERED).kind == "single"
+    assert d.choose_launch(2048, 16 * 256, 16, H200, out_entries=entries,
+                           deterministic=True).order_grid
     # T=16: 67K entries, one block still wins
     assert d.choose_launch(128, 16 * 256, 16, H200, out_entries=16 * (3968 + 248)).kind == \
         "single"
@@ -435,7 +475,7 @@ def test_kernel_constants_match_the_cuda_source():
     src = _kernels.source()
     defined = dict(re.findall(r"^#define (\w+) (\d+)", src, flags=re.M))
     for name in ("ITEMS_PER_THREAD", "TINY_ITEMS", "TINY_BUCKETS", "COOP_ITEMS", "CLUSTER_BLOCKS",
-                 "CLUSTER_ITEMS",
+                 "CLUSTER_ITEMS", "ORDER_ITEMS",
                  "MODE_SHARED", "MODE_GLOBAL", "MODE_DETERMINISTIC"):
         assert int(defined[name]) == getattr(d, name), name
 

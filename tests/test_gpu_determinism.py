@@ -2,9 +2,13 @@
 
 Every variant (the dispatcher's choice, shared, global, cooperative; a forced one the
 dispatcher refuses is skipped), base, LoRA and both together, uniform and skewed routing, at
-a prefill size and a decode size. The outputs are out= buffers poisoned before every run, so a
+a prefill size and a decode size; each through both ways to deterministic output: the fast
+kernels then ``align_order`` sorting every segment ("sorted", the default policy), and the
+kernels' own ordered ranks ("ordered", ``sort_for_determinism=False``). The outputs are out= buffers poisoned before every run, so a
 run that leaves an entry unwritten cannot pass by reading the previous run's value.
 """
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -18,6 +22,8 @@ pytestmark = [requires_gpu, pytest.mark.gpu]
 RUNS = 100
 SIZES = {"prefill": (4096, 8, 256, 64, 16), "decode": (16, 8, 256, 16, 16)}  # T, K, E, B, L
 VARIANTS = [None, "shared", "global", "cooperative", "cluster"]
+POLICIES = {"sorted": mla.AlignPolicy(),
+            "ordered": dataclasses.replace(mla.AlignPolicy(), sort_for_determinism=False)}
 
 
 def _inputs(size, kind):
@@ -39,24 +45,27 @@ def _outputs(mode, P, M, L):
     return base, lora
 
 
-def _call(mode, d, B, E, L, variant, base_out, lora_out):
+def _call(mode, d, B, E, L, variant, base_out, lora_out, policy):
     ids, mapping, lora_ids, enabled = d
     lkw = dict(lora_ids=lora_ids, adapter_enabled=enabled)
     if mode == "base":
-        mla.moe_align_block_size(ids, B, E, deterministic=True, variant=variant, out=base_out)
+        mla.moe_align_block_size(ids, B, E, deterministic=True, variant=variant, out=base_out,
+                                 policy=policy)
     elif mode == "lora":
         mla.moe_lora_align_block_size(ids, mapping, B, E, L, deterministic=True,
-                                      variant=variant, out=lora_out, **lkw)
+                                      variant=variant, out=lora_out, policy=policy, **lkw)
     else:
         mla.align_moe_and_lora(ids, mapping, B, E, L, deterministic=True, variant=variant,
-                               out_base=base_out, out_lora=lora_out, **lkw)
+                               out_base=base_out, out_lora=lora_out, policy=policy, **lkw)
 
 
+@pytest.mark.parametrize("how", list(POLICIES))
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v or "default")
 @pytest.mark.parametrize("mode", ["base", "lora", "pair"])
 @pytest.mark.parametrize("kind", ["uniform", "skewed"])
 @pytest.mark.parametrize("size", list(SIZES))
-def test_deterministic_runs_are_bit_identical(size, kind, mode, variant):
+def test_deterministic_runs_are_bit_identical(size, kind, mode, variant, how):
+    policy = POLICIES[how]
     T, K, E, B, L = SIZES[size]
     host = _inputs(size, kind)
     d = [cupy.asarray(x) for x in host]
@@ -66,7 +75,7 @@ def test_deterministic_runs_are_bit_identical(size, kind, mode, variant):
     for x in outs:
         x.fill(POISON)
     try:
-        _call(mode, d, B, E, L, variant, base_out, lora_out)
+        _call(mode, d, B, E, L, variant, base_out, lora_out, policy)
     except ValueError as e:
         if variant is not None and "variant" in str(e):
             pytest.skip(f"{variant} refused: {e}")
@@ -94,7 +103,7 @@ def test_deterministic_runs_are_bit_identical(size, kind, mode, variant):
     for _ in range(RUNS - 1):
         for x in outs:
             x.fill(POISON)
-        _call(mode, d, B, E, L, variant, base_out, lora_out)
+        _call(mode, d, B, E, L, variant, base_out, lora_out, policy)
         for x, f in zip(outs, first):
             mismatches += cupy.count_nonzero(x != f)
     assert int(mismatches.get()[0]) == 0, f"{int(mismatches.get()[0])} entries differed " \

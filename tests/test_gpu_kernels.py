@@ -439,3 +439,96 @@ def test_cluster_pair_is_fused(E, T, L):
         np.testing.assert_array_equal(canonical(sorted_g, starts), canonical(sorted_r, starts))
         np.testing.assert_array_equal(g[1].get(), np.asarray(r[1]))
         np.testing.assert_array_equal(g[2].get(), np.asarray(r[2]))
+
+
+# align_order: deterministic output from the fast kernels (cooperative, count + place),
+# every segment sorted after them. Segment lengths on both sides of the warps' limit
+# (ORDER_WARP_MAX, with and without padding inside the segment) and one segment of most
+# routes (the block's bitmap), after each kernel it follows; route counts on both sides of
+# the largest bitmap a block holds (past it the kernels rank in order themselves); LoRA rows
+# with disabled slots and an expert map; and the same cases with sorting off (the kernels'
+# own ordered ranks).
+ORDER_MAX = mla._dispatch.ORDER_WARP_MAX
+ORDERED = mla.AlignPolicy(sort_for_determinism=False)
+
+
+def _one_hot_expert(count, numel, E, hot, seed):
+    """``numel`` routes (K = 8), ``count`` of them on expert ``hot`` at random places, the
+    rest uniform over the others."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(E - 1, size=numel).astype(np.int32)
+    ids[ids >= hot] += 1
+    ids[rng.choice(numel, size=count, replace=False)] = hot
+    return ids.reshape(-1, 8)
+
+
+def _exact(ids, B, E, variant, policy, expect_order=None):
+    """GPU (deterministic, poisoned guarded out=) against the NumPy backend, exactly."""
+    P, M = mla.buffer_sizes(ids.size, E, B)
+    if expect_order is not None:
+        launch = mla._dispatch.choose_launch(ids.size, E, 1, mla._launch.device_limits(0),
+                                             deterministic=True, variant=variant,
+                                             out_entries=P + M,
+                                             policy=policy or mla.AlignPolicy())
+        assert bool(launch.order_grid) == expect_order, launch
+    ref = mla.moe_align_block_size(ids, B, E, return_scatter_idx=True)
+    dev = [guarded([n], cupy) for n in (P, M, 1, ids.size)]
+    mla.moe_align_block_size(cupy.asarray(ids), B, E, return_scatter_idx=True,
+                             deterministic=True, variant=variant, policy=policy,
+                             out=[v for _, v in dev])
+    cupy.cuda.get_current_stream().synchronize()
+    for (whole, view), want, name in zip(dev, ref, ("sorted", "experts", "ntpp", "scatter")):
+        w = whole.get()
+        assert (w[:GUARD] == POISON).all() and (w[-GUARD:] == POISON).all(), f"{name} guard"
+        np.testing.assert_array_equal(view.get(), np.asarray(want), err_msg=name)
+
+
+@pytest.mark.parametrize("how", ["sorted", "ordered"])
+@pytest.mark.parametrize("B", [1, 16])
+@pytest.mark.parametrize("count", [1, 2, 31, 32, 33, ORDER_MAX - 1, ORDER_MAX, ORDER_MAX + 1,
+                                   1000, 30000])
+@pytest.mark.parametrize("variant", [None, "shared", "global", "cooperative"])
+def test_order_segment_lengths(variant, count, B, how):
+    ids = _one_hot_expert(count, 32768, 256, hot=5, seed=count + B)
+    _exact(ids, B, 256, variant, ORDERED if how == "ordered" else None,
+           expect_order=how == "sorted")
+
+
+@pytest.mark.parametrize("extra", [0, 1])
+def test_order_both_sides_of_the_largest_bitmap(extra):
+    limits = mla._launch.device_limits(0)
+    largest = 8 * limits.dynamic_smem  # routes whose bitmap fills a block's shared memory
+    numel = largest + 8 * extra
+    ids = np.random.default_rng(extra).integers(64, size=(numel // 8, 8)).astype(np.int32)
+    ids[::3, 0] = 7  # one long segment among the uniform ones
+    _exact(ids, 64, 64, None, None, expect_order=extra == 0)
+
+
+@pytest.mark.parametrize("how", ["sorted", "ordered"])
+@pytest.mark.parametrize("variant", [None, "shared", "global", "cooperative"])
+@pytest.mark.parametrize("E,T,rows", [(256, 4096, 16), (64, 16384, 4), (8, 2048, 40)])
+def test_order_lora(E, T, rows, variant, how):
+    policy = ORDERED if how == "ordered" else None
+    if variant is not None:
+        _skip_unless_runs(variant, True, T * 8, rows * E, rows)
+    _lora_case(E, T, variant, True, salt=60, max_loras=rows, topk=8, policy=policy)
+    _lora_case(E, T, variant, True, salt=61, max_loras=rows, topk=8, allocate=True,
+               use_map=True, with_ids=False, disabled=2, policy=policy)
+
+
+@pytest.mark.parametrize("streams", [None, "one", "two"])
+def test_order_pair(streams):
+    """Base and LoRA together, deterministic at prefill: each side sorted after its kernel."""
+    T, E, L, B = 4096, 256, 16, 64
+    rng = np.random.default_rng(62)
+    ids = make_routing(rng, T, 8, E, np.int32, "skewed")
+    mapping, lora_ids, enabled = make_lora(rng, T, L, disabled=1)
+    kw = dict(lora_ids=lora_ids, adapter_enabled=enabled)
+    ref = mla.align_moe_and_lora(ids, mapping, B, E, L, **kw)
+    got = mla.align_moe_and_lora(cupy.asarray(ids), cupy.asarray(mapping), B, E, L,
+                                 deterministic=True, streams=streams,
+                                 **{k: cupy.asarray(v) for k, v in kw.items()})
+    cupy.cuda.get_current_stream().synchronize()
+    for g_side, r_side in zip(got, ref):
+        for g, r in zip(g_side, r_side):
+            np.testing.assert_array_equal(g.get(), np.asarray(r))

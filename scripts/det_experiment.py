@@ -1,0 +1,68 @@
+"""Deterministic mode against the default path, in one process (GPU machine).
+
+  python3 scripts/det_experiment.py [--json PATH]
+
+Every case runs three ways: the default (free-order) path, deterministic with each segment
+sorted after the fast kernels ("sorted", align_order: the default policy), and deterministic
+through the kernels' own ordered ranks ("ordered", ``sort_for_determinism=False``). Graph
+replay, the runs taking turns three times, the median kept; every result is checked against
+the NumPy backend first (scripts/tiny_experiment.py: make_call, exactly when deterministic).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import cupy
+
+import moe_lora_align as mla
+from moe_lora_align.bench import graph_us
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tiny_experiment import make_call  # noqa: E402
+
+CASES = [  # op, T, E, K, B, L
+    ("base", 1, 64, 8, 16, None), ("base", 64, 256, 8, 16, None),
+    ("base", 256, 256, 8, 16, None), ("base", 1024, 256, 8, 64, None),
+    ("base", 4096, 256, 8, 64, None), ("base", 16384, 256, 8, 64, None),
+    ("base", 65536, 256, 8, 64, None), ("base", 16384, 8, 2, 64, None),
+    ("lora", 16, 256, 8, 16, 16), ("lora", 256, 256, 8, 16, 16),
+    ("lora", 1024, 256, 8, 64, 16), ("lora", 4096, 256, 8, 64, 16),
+    ("lora", 16384, 256, 8, 64, 16), ("lora", 4096, 64, 6, 64, 4),
+    ("pair", 4096, 256, 8, 64, 16), ("pair", 16384, 256, 8, 64, 16),
+]
+RUNS = [  # name, deterministic, AlignPolicy fields
+    ("default", False, {}),
+    ("sorted", True, {}),
+    ("ordered", True, {"sort_for_determinism": False}),
+]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    stream = cupy.cuda.Stream(non_blocking=True)
+    report = {}
+    print(f"{'case':40s} " + " ".join(f"{n:>9s}" for n, _, _ in RUNS)
+          + "  sorted/default  (graph us, median of 3 in turn)")
+    for case in CASES:
+        times = {}
+        for _ in range(3):
+            for name, det, settings in RUNS:
+                fn = make_call(case, stream, det, mla.AlignPolicy(**settings))
+                times.setdefault(name, []).append(graph_us(fn, stream))
+        med = {n: statistics.median(v) for n, v in times.items()}
+        report[str(case)] = {"median_us": med, "all_us": times}
+        print(f"{case!s:40s} " + " ".join(f"{med[n]:9.2f}" for n, _, _ in RUNS)
+              + f"  {med['sorted'] / med['default']:6.2f}x", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
