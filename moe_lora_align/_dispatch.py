@@ -186,8 +186,9 @@ def smem_cluster(num_buckets: int, rows: int) -> int:
 
 
 def smem_order(numel: int) -> int:
-    """align_order: a bitmap of the route indices, one bit a route."""
-    return 4 * max(1, _ceil_div(numel, 32))
+    """align_order: a bitmap of the route indices (a bit a route) and its summary (a bit a
+    word of it)."""
+    return 4 * (max(1, _ceil_div(numel, 32)) + max(1, _ceil_div(numel, 1024)))
 
 
 def order_grid(num_buckets: int, limits: DeviceLimits) -> int:

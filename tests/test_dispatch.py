@@ -126,7 +126,7 @@ def test_deterministic_calls_sort_after_the_fast_kernels():
     # Decode: one block ranks in order.
     assert d.choose_launch(64, 256, 1, H200, deterministic=True).kind == "single"
     # More routes than a bitmap in shared memory holds: ordered ranks.
-    huge = 8 * H200.dynamic_smem * 8 + 1
+    huge = 8 * H200.dynamic_smem + 1
     launch = d.choose_launch(huge, 256, 1, NO_COOP, deterministic=True)
     assert launch.deterministic and not launch.order_grid
     # Sorting off: ordered ranks everywhere.

@@ -120,11 +120,12 @@ GRID = list(itertools.product(EXPERTS, TOKENS))
 VARIANTS = ["shared", "global", "cooperative", "cluster"]
 
 
-def _skip_unless_runs(variant, det, numel, buckets, rows):
+def _skip_unless_runs(variant, det, numel, buckets, rows, policy=None):
     """Skip the (variant, sizes) cells the dispatcher refuses (its own tests cover that)."""
     try:
         mla._dispatch.choose_launch(numel, buckets, rows, mla._launch.device_limits(0),
-                                    deterministic=det, variant=variant)
+                                    deterministic=det, variant=variant,
+                                    policy=policy or mla.AlignPolicy())
     except ValueError as e:
         pytest.skip(f"{variant} cannot run this size: {e}")
 
@@ -497,7 +498,9 @@ def test_order_segment_lengths(variant, count, B, how):
 @pytest.mark.parametrize("extra", [0, 1])
 def test_order_both_sides_of_the_largest_bitmap(extra):
     limits = mla._launch.device_limits(0)
-    largest = 8 * limits.dynamic_smem  # routes whose bitmap fills a block's shared memory
+    # the most routes (a multiple of 8) whose bitmap fits a block's shared memory
+    largest = max(n for n in range(8 * limits.dynamic_smem - 8 * 4096, 8 * limits.dynamic_smem, 8)
+                  if mla._dispatch.smem_order(n) <= limits.dynamic_smem)
     numel = largest + 8 * extra
     ids = np.random.default_rng(extra).integers(64, size=(numel // 8, 8)).astype(np.int32)
     ids[::3, 0] = 7  # one long segment among the uniform ones
@@ -510,7 +513,7 @@ def test_order_both_sides_of_the_largest_bitmap(extra):
 def test_order_lora(E, T, rows, variant, how):
     policy = ORDERED if how == "ordered" else None
     if variant is not None:
-        _skip_unless_runs(variant, True, T * 8, rows * E, rows)
+        _skip_unless_runs(variant, True, T * 8, rows * E, rows, policy)
     _lora_case(E, T, variant, True, salt=60, max_loras=rows, topk=8, policy=policy)
     _lora_case(E, T, variant, True, salt=61, max_loras=rows, topk=8, allocate=True,
                use_map=True, with_ids=False, disabled=2, policy=policy)
