@@ -10,13 +10,17 @@
 // needs per-block counts of every bucket prefixed across blocks.
 //
 // Warps sort the segments of at most ORDER_WARP_MAX entries in registers (a bitonic network,
-// or each route's rank counted against the others); a block sorts each longer one through a bitmap of the numel
-// route indices in shared memory, with a summary bit for every nonzero word of it, so reading
-// the routes back in order costs the segment's length and numel / 1024, not numel / 32.
+// or each route's rank counted against the others). A block sorts each longer one: up to
+// ORDER_DIGITS_MAX routes by a counting sort on digits of their value range, more through a
+// bitmap of the numel route indices with a summary bit for every nonzero word of it (reading
+// it back costs numel / 1024 and the routes, which are then at least ORDER_DIGITS_MAX).
 // Buckets are dealt to warps and blocks round-robin, so the work spreads over every SM.
-// Dynamic shared memory: bits[ceil(numel / 32)] | summary[ceil(numel / 1024)], left zeroed.
+// Dynamic shared memory, the larger of: the digit sort's vals[ORDER_DIGITS_MAX] |
+// start[ORDER_DIGITS_MAX + 1] | cursor[ORDER_DIGITS_MAX] | scan sums[32], and the bitmap
+// bits[ceil(numel / 32)] | summary[ceil(numel / 1024)].
 #define ORDER_ITEMS 4                     // entries a lane holds in the warps' sort
 #define ORDER_WARP_MAX (32 * ORDER_ITEMS)
+#define ORDER_DIGITS_MAX 4096             // routes a block sorts by digits; more: by the bitmap
 
 // Sort the routes of seg[0, n) (sentinels stay at the back), n <= ORDER_WARP_MAX, by one
 // warp: up to 32 routes by a bitonic network across the lanes, more by counting each one's
@@ -63,48 +67,94 @@ __device__ __forceinline__ void sort_in_warp(int* seg, int n, int sentinel) {
     if (k * 32 + lane < routes) seg[rank[k]] = v[k];
 }
 
-// Sort the routes of seg[0, n) (sentinels stay at the back) by the whole block, through the
-// zeroed bitmap `bits` and its `summary`; both are zeroed again on the way out. Every thread
-// calls it.
-__device__ __forceinline__ void sort_in_block(const Problem& p, int* seg, int n, unsigned* bits,
-                                              unsigned* summary, int* warp_sums) {
-  for (int i = threadIdx.x; i < n; i += blockDim.x) {
-    const int v = seg[i];
-    if (v < p.numel) {
-      atomicOr(bits + (v >> 5), 1u << (v & 31));
-      atomicOr(summary + (v >> 10), 1u << ((v >> 5) & 31));
-    }
-  }
-  __syncthreads();  // every entry read before any is rewritten
-  // Thread t reads back the routes of a contiguous run of summary words: it counts them, a
-  // block scan of the counts says where they go, then it writes them in order.
-  const int sum_words = (p.numel + 1023) >> 10;
-  const int per = (sum_words + blockDim.x - 1) / blockDim.x;
-  const int lo = min(sum_words, (int)threadIdx.x * per), hi = min(sum_words, lo + per);
-  int count = 0;
-  for (int s = lo; s < hi; ++s)
-    for (unsigned m = summary[s]; m != 0u; m &= m - 1u) count += __popc(bits[(s << 5) + __ffs(m) - 1]);
+// Block-wide exclusive scan of one value a thread (warp_sums: 32 ints); returns this thread's
+// prefix, and the total in *total (every thread). Every thread calls it.
+__device__ __forceinline__ int scan_threads(int value, int* warp_sums, int* total) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  const int x = warp_inclusive_sum(count);
+  const int x = warp_inclusive_sum(value);
   if (lane == 31) warp_sums[warp] = x;
   __syncthreads();
   if (warp == 0) warp_sums[lane] = warp_inclusive_sum(lane < nwarps ? warp_sums[lane] : 0);
   __syncthreads();
-  int at = x - count + (warp > 0 ? warp_sums[warp - 1] : 0);
-  for (int s = lo; s < hi; ++s) {
-    for (unsigned m = summary[s]; m != 0u; m &= m - 1u) {
-      const int w = (s << 5) + __ffs(m) - 1;
-      for (unsigned b = bits[w]; b != 0u; b &= b - 1u) seg[at++] = (w << 5) + __ffs(b) - 1;
-      bits[w] = 0u;
-    }
-    summary[s] = 0u;
+  *total = warp_sums[nwarps - 1];
+  const int before = x - value + (warp > 0 ? warp_sums[warp - 1] : 0);
+  __syncthreads();  // warp_sums free again
+  return before;
+}
+
+// Sort the `routes` routes at the front of seg (ORDER_WARP_MAX < routes <= ORDER_DIGITS_MAX)
+// by the whole block: a counting sort on digits of their value range (at least a digit a
+// route, so a digit holds about one route when the values spread), then each route's rank
+// among its digit's few. Shared memory: vals[routes] | start[digits + 1] | cursor[digits] |
+// scan sums[32]. Every thread calls it.
+__device__ void sort_by_digits(int* seg, int routes, int lo, int hi, int* smem) {
+  int digits = 2;
+  while (digits < routes) digits <<= 1;
+  int shift = 0;
+  while (((hi - lo) >> shift) >= digits) ++shift;
+  int* vals = smem;
+  int* start = vals + routes;
+  int* cursor = start + digits + 1;
+  for (int d = threadIdx.x; d <= digits; d += blockDim.x) start[d] = 0;
+  __syncthreads();
+  for (int i = threadIdx.x; i < routes; i += blockDim.x) atomicAdd(start + ((seg[i] - lo) >> shift), 1);
+  __syncthreads();
+  scan_block(digits, [&](int d) { return start[d]; }, start, start + digits + 1 + digits);
+  for (int d = threadIdx.x; d < digits; d += blockDim.x) cursor[d] = start[d];
+  __syncthreads();
+  for (int i = threadIdx.x; i < routes; i += blockDim.x) {
+    const int v = seg[i];
+    vals[atomicAdd(cursor + ((v - lo) >> shift), 1)] = v;
   }
-  __syncthreads();  // zeroed, and warp_sums free, before the next segment
+  __syncthreads();  // every route read and staged before any is rewritten
+  for (int k = threadIdx.x; k < routes; k += blockDim.x) {
+    const int v = vals[k], d = (v - lo) >> shift;
+    int rank = start[d];
+    for (int q = start[d]; q < start[d + 1]; ++q) rank += vals[q] < v;
+    seg[rank] = v;
+  }
+}
+
+// Sort the `routes` routes at the front of seg (more than ORDER_DIGITS_MAX) by the whole
+// block, through the zeroed bitmap `bits` of the numel route indices and its `summary` (a bit
+// a word of it), both zeroed again on the way out. Each warp reads back a contiguous run of
+// the bitmap 32 words (one summary word) at a time, skipping empty ones. Every thread calls it.
+__device__ void sort_by_bitmap(const Problem& p, int* seg, int routes, unsigned* bits,
+                               unsigned* summary, int* warp_sums) {
+  for (int i = threadIdx.x; i < routes; i += blockDim.x) {
+    const int v = seg[i];
+    atomicOr(bits + (v >> 5), 1u << (v & 31));
+    atomicOr(summary + (v >> 10), 1u << ((v >> 5) & 31));
+  }
+  __syncthreads();  // every route read before any is rewritten
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const int rounds = (p.numel + 1023) >> 10;
+  const int per = (rounds + nwarps - 1) / nwarps;
+  const int r0 = min(rounds, warp * per), r1 = min(rounds, r0 + per);
+  int count = 0;
+  for (int r = r0; r < r1; ++r)
+    if (summary[r] != 0u) count += __popc(bits[(r << 5) + lane]);
+  int total;
+  int at = scan_threads(count, warp_sums, &total);
+  at = __shfl_sync(MLA_FULL_MASK, at, 0);  // the warp's first position
+  for (int r = r0; r < r1; ++r) {
+    if (summary[r] == 0u) continue;  // the same on every lane
+    unsigned word = bits[(r << 5) + lane];
+    const int mine = __popc(word), x = warp_inclusive_sum(mine);
+    int k = at + x - mine;
+    for (; word != 0u; word &= word - 1u) seg[k++] = (((r << 5) + lane) << 5) + __ffs(word) - 1;
+    bits[(r << 5) + lane] = 0u;
+    at += __shfl_sync(MLA_FULL_MASK, x, 31);
+  }
+  __syncwarp();
+  for (int r = r0 + lane; r < r1; r += 32) summary[r] = 0u;
+  __syncthreads();  // zeroed again, and warp_sums free, before the next segment
 }
 
 template <typename IdT>
 __global__ void __launch_bounds__(1024) align_order(const Problem p) {
   __shared__ int warp_sums[32];
+  __shared__ int lo_hi[3];
   const int nb = num_buckets(p);
   const int warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int* starts = p.starts;
@@ -115,18 +165,53 @@ __global__ void __launch_bounds__(1024) align_order(const Problem p) {
       sort_in_warp(p.sorted_ids + output_index(p, starts, b, 0), n, p.numel);
   }
   // Long segments: bucket b to block b % gridDim.
+  int* smem = reinterpret_cast<int*>(dynamic_smem);
   unsigned* bits = reinterpret_cast<unsigned*>(dynamic_smem);
   unsigned* summary = bits + ((p.numel + 31) >> 5);
   bool zeroed = false;
   for (int b = blockIdx.x; b < nb; b += gridDim.x) {
     const int n = __ldcg(starts + b + 1) - __ldcg(starts + b);
     if (n <= ORDER_WARP_MAX) continue;  // the same on every thread
+    int* seg = p.sorted_ids + output_index(p, starts, b, 0);
+    // The routes (the entries below the sentinel, all at the front) and their value range.
+    if (threadIdx.x == 0) {
+      lo_hi[0] = 0x7fffffff;
+      lo_hi[1] = -1;
+      lo_hi[2] = 0;
+    }
+    __syncthreads();
+    int lo = 0x7fffffff, hi = -1, routes = 0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+      const int v = seg[i];
+      if (v < p.numel) {
+        lo = min(lo, v);
+        hi = max(hi, v);
+        ++routes;
+      }
+    }
+    if (routes > 0) {
+      atomicMin(lo_hi, lo);
+      atomicMax(lo_hi + 1, hi);
+      atomicAdd(lo_hi + 2, routes);
+    }
+    __syncthreads();
+    lo = lo_hi[0];
+    hi = lo_hi[1];
+    routes = lo_hi[2];
+    __syncthreads();  // lo_hi read before the next segment resets it
+    if (routes <= 1) continue;
+    if (routes <= ORDER_DIGITS_MAX) {
+      sort_by_digits(seg, routes, lo, hi, smem);
+      __syncthreads();  // the staging area free before the next segment
+      zeroed = false;   // the bitmap's memory was the staging area
+      continue;
+    }
     if (!zeroed) {
       const int words = ((p.numel + 31) >> 5) + ((p.numel + 1023) >> 10);
       for (int w = threadIdx.x; w < words; w += blockDim.x) bits[w] = 0u;
       __syncthreads();
       zeroed = true;
     }
-    sort_in_block(p, p.sorted_ids + output_index(p, starts, b, 0), n, bits, summary, warp_sums);
+    sort_by_bitmap(p, seg, routes, bits, summary, warp_sums);
   }
 }

@@ -23,6 +23,7 @@ CLUSTER_BLOCKS = 8            # CLUSTER_BLOCKS: blocks of align_cluster's one cl
 CLUSTER_ITEMS = 8             # CLUSTER_ITEMS: align_cluster's routes a thread, at most
 ORDER_ITEMS = 4               # ORDER_ITEMS: entries a lane holds in align_order's warp sort
 ORDER_WARP_MAX = 32 * ORDER_ITEMS  # segments up to this long are sorted by a warp
+ORDER_DIGITS_MAX = 4096       # ORDER_DIGITS_MAX: routes align_order's blocks sort by digits
 SINGLE_BLOCK_MAX_ROUTES = BLOCK * ITEMS_PER_THREAD
 WARP_COUNTER_MAX = 65535      # unsigned short per-warp counters bound a deterministic chunk
 SMEM_SLACK = 512              # bytes of a block's shared memory kept for the kernels' static
@@ -186,9 +187,11 @@ def smem_cluster(num_buckets: int, rows: int) -> int:
 
 
 def smem_order(numel: int) -> int:
-    """align_order: a bitmap of the route indices (a bit a route) and its summary (a bit a
+    """align_order: the larger of its digit sort's staging (routes, digit starts and cursors,
+    scan sums) and the bitmap of the route indices (a bit a route) with its summary (a bit a
     word of it)."""
-    return 4 * (max(1, _ceil_div(numel, 32)) + max(1, _ceil_div(numel, 1024)))
+    digits = 4 * (3 * ORDER_DIGITS_MAX + 1 + 32)
+    return max(digits, 4 * (max(1, _ceil_div(numel, 32)) + max(1, _ceil_div(numel, 1024))))
 
 
 def order_grid(num_buckets: int, limits: DeviceLimits) -> int:

@@ -444,12 +444,14 @@ def test_cluster_pair_is_fused(E, T, L):
 
 # align_order: deterministic output from the fast kernels (cooperative, count + place),
 # every segment sorted after them. Segment lengths on both sides of the warps' limit
-# (ORDER_WARP_MAX, with and without padding inside the segment) and one segment of most
-# routes (the block's bitmap), after each kernel it follows; route counts on both sides of
+# (ORDER_WARP_MAX, with and without padding inside the segment) and of the blocks' digit
+# sort (ORDER_DIGITS_MAX, then the bitmap), after each kernel it follows; values clustered
+# in one digit; route counts on both sides of
 # the largest bitmap a block holds (past it the kernels rank in order themselves); LoRA rows
 # with disabled slots and an expert map; and the same cases with sorting off (the kernels'
 # own ordered ranks).
 ORDER_MAX = mla._dispatch.ORDER_WARP_MAX
+DIGITS_MAX = mla._dispatch.ORDER_DIGITS_MAX
 ORDERED = mla.AlignPolicy(sort_for_determinism=False)
 
 
@@ -487,12 +489,25 @@ def _exact(ids, B, E, variant, policy, expect_order=None):
 @pytest.mark.parametrize("how", ["sorted", "ordered"])
 @pytest.mark.parametrize("B", [1, 16])
 @pytest.mark.parametrize("count", [1, 2, 31, 32, 33, ORDER_MAX - 1, ORDER_MAX, ORDER_MAX + 1,
-                                   1000, 30000])
+                                   1000, DIGITS_MAX, DIGITS_MAX + 1, 30000])
 @pytest.mark.parametrize("variant", [None, "shared", "global", "cooperative"])
 def test_order_segment_lengths(variant, count, B, how):
     ids = _one_hot_expert(count, 32768, 256, hot=5, seed=count + B)
     _exact(ids, B, 256, variant, ORDERED if how == "ordered" else None,
            expect_order=how == "sorted")
+
+
+@pytest.mark.parametrize("dense,spread", [(2048, 1000), (4096, 0), (DIGITS_MAX, 1),
+                                          (300, 60000)])
+def test_order_clustered_values(dense, spread):
+    """One bucket's routes: a run of consecutive flat indices (one digit holds many) plus
+    some spread over the rest; K = 1."""
+    rng = np.random.default_rng(dense + spread)
+    numel = 1 << 17
+    ids = rng.integers(1, 64, size=numel).astype(np.int32)
+    ids[1000:1000 + dense] = 0
+    ids[rng.choice(np.arange(1000 + dense, numel), size=spread, replace=False)] = 0
+    _exact(ids.reshape(-1, 1), 16, 64, None, None, expect_order=True)
 
 
 @pytest.mark.parametrize("extra", [0, 1])
