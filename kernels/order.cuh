@@ -21,6 +21,7 @@
 #define ORDER_ITEMS 4                     // entries a lane holds in the warps' sort
 #define ORDER_WARP_MAX (32 * ORDER_ITEMS)
 #define ORDER_DIGITS_MAX 4096             // routes a block sorts by digits; more: by the bitmap
+#define ORDER_BLOCK_ITEMS 4               // entries a thread of a block holds: ORDER_DIGITS_MAX / 1024
 
 // Sort the routes of seg[0, n) (sentinels stay at the back), n <= ORDER_WARP_MAX, by one
 // warp: up to 32 routes by a bitonic network across the lanes, more by counting each one's
@@ -82,12 +83,14 @@ __device__ __forceinline__ int scan_threads(int value, int* warp_sums, int* tota
   return before;
 }
 
-// Sort the `routes` routes at the front of seg (ORDER_WARP_MAX < routes <= ORDER_DIGITS_MAX)
-// by the whole block: a counting sort on digits of their value range (at least a digit a
-// route, so a digit holds about one route when the values spread), then each route's rank
-// among its digit's few. Shared memory: vals[routes] | start[digits + 1] | cursor[digits] |
-// scan sums[32]. Every thread calls it.
-__device__ void sort_by_digits(int* seg, int routes, int lo, int hi, int* smem) {
+// Sort the `routes` routes at the front of seg (ORDER_WARP_MAX < routes <= ORDER_DIGITS_MAX,
+// values in [lo, hi]) by the whole block; thread t holds entries t + k * blockDim in v[k].
+// A counting sort on digits of the value range (at least a digit a route, so a digit holds
+// about one route when the values spread), then each route's rank among its digit's few.
+// Shared memory: vals[routes] | start[digits + 1] | cursor[digits] | scan sums[32]. Every
+// thread calls it.
+__device__ void sort_by_digits(int* seg, const int (&v)[ORDER_BLOCK_ITEMS], int routes, int lo,
+                               int hi, int* smem) {
   int digits = 2;
   while (digits < routes) digits <<= 1;
   int shift = 0;
@@ -97,21 +100,26 @@ __device__ void sort_by_digits(int* seg, int routes, int lo, int hi, int* smem) 
   int* cursor = start + digits + 1;
   for (int d = threadIdx.x; d <= digits; d += blockDim.x) start[d] = 0;
   __syncthreads();
-  for (int i = threadIdx.x; i < routes; i += blockDim.x) atomicAdd(start + ((seg[i] - lo) >> shift), 1);
+#pragma unroll
+  for (int k = 0; k < ORDER_BLOCK_ITEMS; ++k)
+    if (k * blockDim.x + threadIdx.x < routes) atomicAdd(start + ((v[k] - lo) >> shift), 1);
   __syncthreads();
-  scan_block(digits, [&](int d) { return start[d]; }, start, start + digits + 1 + digits);
+  scan_block(digits, [&](int d) { return start[d]; }, start, cursor + digits);
   for (int d = threadIdx.x; d < digits; d += blockDim.x) cursor[d] = start[d];
   __syncthreads();
-  for (int i = threadIdx.x; i < routes; i += blockDim.x) {
-    const int v = seg[i];
-    vals[atomicAdd(cursor + ((v - lo) >> shift), 1)] = v;
-  }
-  __syncthreads();  // every route read and staged before any is rewritten
-  for (int k = threadIdx.x; k < routes; k += blockDim.x) {
-    const int v = vals[k], d = (v - lo) >> shift;
-    int rank = start[d];
-    for (int q = start[d]; q < start[d + 1]; ++q) rank += vals[q] < v;
-    seg[rank] = v;
+#pragma unroll
+  for (int k = 0; k < ORDER_BLOCK_ITEMS; ++k)
+    if (k * blockDim.x + threadIdx.x < routes)
+      vals[atomicAdd(cursor + ((v[k] - lo) >> shift), 1)] = v[k];
+  __syncthreads();
+#pragma unroll
+  for (int k = 0; k < ORDER_BLOCK_ITEMS; ++k) {
+    if (k * blockDim.x + threadIdx.x < routes) {
+      const int d = (v[k] - lo) >> shift;
+      int rank = start[d];
+      for (int q = start[d]; q < start[d + 1]; ++q) rank += vals[q] < v[k];
+      seg[rank] = v[k];
+    }
   }
 }
 
@@ -154,41 +162,70 @@ __device__ void sort_by_bitmap(const Problem& p, int* seg, int routes, unsigned*
 template <typename IdT>
 __global__ void __launch_bounds__(1024) align_order(const Problem p) {
   __shared__ int warp_sums[32];
-  __shared__ int lo_hi[3];
-  const int nb = num_buckets(p);
-  const int warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  const int* starts = p.starts;
-  // Short segments: bucket b to warp b / gridDim of block b % gridDim.
-  for (int b = warp * gridDim.x + blockIdx.x; b < nb; b += gridDim.x * nwarps) {
-    const int n = __ldcg(starts + b + 1) - __ldcg(starts + b);
-    if (n > 1 && n <= ORDER_WARP_MAX)
-      sort_in_warp(p.sorted_ids + output_index(p, starts, b, 0), n, p.numel);
+  __shared__ long long long_at[32];  // the block's long segments: where each starts
+  __shared__ int long_len[32], num_long, lo_hi[3];
+  const int nb = num_buckets(p), E = p.num_experts;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (threadIdx.x == 0) num_long = 0;
+  __syncthreads();
+  // Warp w's bucket: w * gridDim + blockIdx (gridDim * 32 >= nb: one a warp at most). Its
+  // segment's loads go out together; a short one the warp sorts, a long one the block.
+  const int b = warp * gridDim.x + blockIdx.x;
+  if (b < nb) {
+    const int r = row_of(p, b);
+    const int s0 = __ldcg(p.starts + b), s1 = __ldcg(p.starts + b + 1);
+    const int row_start = __ldcg(p.starts + r * E);
+    const long long at = (long long)r * p.sorted_pitch + (s0 - row_start);
+    const int n = s1 - s0;
+    if (n > ORDER_WARP_MAX) {
+      if (lane == 0) {
+        const int k = atomicAdd(&num_long, 1);  // any order: the segments are independent
+        long_at[k] = at;
+        long_len[k] = n;
+      }
+    } else if (n > 1) {
+      sort_in_warp(p.sorted_ids + at, n, p.numel);
+    }
   }
-  // Long segments: bucket b to block b % gridDim.
+  __syncthreads();
   int* smem = reinterpret_cast<int*>(dynamic_smem);
   unsigned* bits = reinterpret_cast<unsigned*>(dynamic_smem);
   unsigned* summary = bits + ((p.numel + 31) >> 5);
   bool zeroed = false;
-  for (int b = blockIdx.x; b < nb; b += gridDim.x) {
-    const int n = __ldcg(starts + b + 1) - __ldcg(starts + b);
-    if (n <= ORDER_WARP_MAX) continue;  // the same on every thread
-    int* seg = p.sorted_ids + output_index(p, starts, b, 0);
-    // The routes (the entries below the sentinel, all at the front) and their value range.
+  for (int j = 0; j < num_long; ++j) {
+    int* seg = p.sorted_ids + long_at[j];
+    const int n = long_len[j];
+    // The routes (the entries below the sentinel, all at the front) and their value range;
+    // the first ORDER_BLOCK_ITEMS * blockDim entries stay in registers.
+    int v[ORDER_BLOCK_ITEMS], lo = 0x7fffffff, hi = -1, routes = 0;
+#pragma unroll
+    for (int k = 0; k < ORDER_BLOCK_ITEMS; ++k) {
+      const int i = k * blockDim.x + threadIdx.x;
+      v[k] = i < n ? seg[i] : p.numel;
+    }
+    for (int i = ORDER_BLOCK_ITEMS * blockDim.x + threadIdx.x; i < n; i += blockDim.x) {
+      const int x = seg[i];
+      if (x < p.numel) {
+        lo = min(lo, x);
+        hi = max(hi, x);
+        ++routes;
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < ORDER_BLOCK_ITEMS; ++k) {
+      if (v[k] < p.numel) {
+        lo = min(lo, v[k]);
+        hi = max(hi, v[k]);
+        ++routes;
+      }
+    }
+    __syncthreads();  // the previous segment done with shared memory and lo_hi
     if (threadIdx.x == 0) {
       lo_hi[0] = 0x7fffffff;
       lo_hi[1] = -1;
       lo_hi[2] = 0;
     }
     __syncthreads();
-    int lo = 0x7fffffff, hi = -1, routes = 0;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-      const int v = seg[i];
-      if (v < p.numel) {
-        lo = min(lo, v);
-        hi = max(hi, v);
-        ++routes;
-      }
-    }
     if (routes > 0) {
       atomicMin(lo_hi, lo);
       atomicMax(lo_hi + 1, hi);
@@ -198,20 +235,18 @@ __global__ void __launch_bounds__(1024) align_order(const Problem p) {
     lo = lo_hi[0];
     hi = lo_hi[1];
     routes = lo_hi[2];
-    __syncthreads();  // lo_hi read before the next segment resets it
-    if (routes <= 1) continue;
+    if (routes <= 1) continue;  // the same on every thread
     if (routes <= ORDER_DIGITS_MAX) {
-      sort_by_digits(seg, routes, lo, hi, smem);
-      __syncthreads();  // the staging area free before the next segment
-      zeroed = false;   // the bitmap's memory was the staging area
-      continue;
+      sort_by_digits(seg, v, routes, lo, hi, smem);
+      zeroed = false;  // the bitmap's memory was the staging area
+    } else {
+      if (!zeroed) {
+        const int words = ((p.numel + 31) >> 5) + ((p.numel + 1023) >> 10);
+        for (int w = threadIdx.x; w < words; w += blockDim.x) bits[w] = 0u;
+        __syncthreads();
+        zeroed = true;
+      }
+      sort_by_bitmap(p, seg, routes, bits, summary, warp_sums);
     }
-    if (!zeroed) {
-      const int words = ((p.numel + 31) >> 5) + ((p.numel + 1023) >> 10);
-      for (int w = threadIdx.x; w < words; w += blockDim.x) bits[w] = 0u;
-      __syncthreads();
-      zeroed = true;
-    }
-    sort_by_bitmap(p, seg, routes, bits, summary, warp_sums);
   }
 }

@@ -195,8 +195,9 @@ def smem_order(numel: int) -> int:
 
 
 def order_grid(num_buckets: int, limits: DeviceLimits) -> int:
-    """align_order's blocks: a warp for each bucket (the short segments), and at least two
-    blocks an SM for the long ones (a block a segment)."""
+    """align_order's blocks: a warp for each bucket (the kernel relies on it), and at least
+    two blocks an SM where buckets are that many (a block sorts each long segment of its
+    warps' buckets)."""
     return max(_ceil_div(num_buckets, BLOCK // 32), min(num_buckets, 2 * limits.sm_count))
 
 

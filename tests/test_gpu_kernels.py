@@ -514,7 +514,7 @@ def test_order_clustered_values(dense, spread):
 def test_order_both_sides_of_the_largest_bitmap(extra):
     limits = mla._launch.device_limits(0)
     # the most routes (a multiple of 8) whose bitmap fits a block's shared memory
-    largest = max(n for n in range(8 * limits.dynamic_smem - 8 * 4096, 8 * limits.dynamic_smem, 8)
+    largest = max(n for n in range(0, 8 * limits.dynamic_smem, 8)
                   if mla._dispatch.smem_order(n) <= limits.dynamic_smem)
     numel = largest + 8 * extra
     ids = np.random.default_rng(extra).integers(64, size=(numel // 8, 8)).astype(np.int32)
