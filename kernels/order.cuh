@@ -161,30 +161,30 @@ __device__ void sort_by_bitmap(const Problem& p, int* seg, int routes, unsigned*
 
 template <typename IdT>
 __global__ void __launch_bounds__(1024) align_order(const Problem p) {
-  __shared__ int warp_sums[32];
-  __shared__ long long long_at[32];  // the block's long segments: where each starts
-  __shared__ int long_len[32], num_long, lo_hi[3];
+  __shared__ int warp_sums[32];  // also the value range and route count of a long segment
+  __shared__ int long_bucket[32], num_long;  // the buckets of the block's long segments
+  int* lo_hi = warp_sums;
   const int nb = num_buckets(p), E = p.num_experts;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   if (threadIdx.x == 0) num_long = 0;
   __syncthreads();
   // Warp w's bucket: w * gridDim + blockIdx (gridDim * 32 >= nb: one a warp at most). Its
   // segment's loads go out together; a short one the warp sorts, a long one the block.
-  const int b = warp * gridDim.x + blockIdx.x;
-  if (b < nb) {
+  auto segment = [&](int b, int* n) {
     const int r = row_of(p, b);
     const int s0 = __ldcg(p.starts + b), s1 = __ldcg(p.starts + b + 1);
     const int row_start = __ldcg(p.starts + r * E);
-    const long long at = (long long)r * p.sorted_pitch + (s0 - row_start);
-    const int n = s1 - s0;
+    *n = s1 - s0;
+    return p.sorted_ids + (long long)r * p.sorted_pitch + (s0 - row_start);
+  };
+  const int b = warp * gridDim.x + blockIdx.x;
+  if (b < nb) {
+    int n;
+    int* seg = segment(b, &n);
     if (n > ORDER_WARP_MAX) {
-      if (lane == 0) {
-        const int k = atomicAdd(&num_long, 1);  // any order: the segments are independent
-        long_at[k] = at;
-        long_len[k] = n;
-      }
+      if (lane == 0) long_bucket[atomicAdd(&num_long, 1)] = b;  // any order: independent
     } else if (n > 1) {
-      sort_in_warp(p.sorted_ids + at, n, p.numel);
+      sort_in_warp(seg, n, p.numel);
     }
   }
   __syncthreads();
@@ -193,8 +193,8 @@ __global__ void __launch_bounds__(1024) align_order(const Problem p) {
   unsigned* summary = bits + ((p.numel + 31) >> 5);
   bool zeroed = false;
   for (int j = 0; j < num_long; ++j) {
-    int* seg = p.sorted_ids + long_at[j];
-    const int n = long_len[j];
+    int n;
+    int* seg = segment(long_bucket[j], &n);
     // The routes (the entries below the sentinel, all at the front) and their value range;
     // the first ORDER_BLOCK_ITEMS * blockDim entries stay in registers.
     int v[ORDER_BLOCK_ITEMS], lo = 0x7fffffff, hi = -1, routes = 0;
