@@ -17,7 +17,7 @@
 // Buckets are dealt to warps and blocks round-robin, so the work spreads over every SM.
 // Dynamic shared memory, the larger of: the digit sort's vals[ORDER_DIGITS_MAX] |
 // start[ORDER_DIGITS_MAX + 1] | cursor[ORDER_DIGITS_MAX] | scan sums[32], and the bitmap
-// bits[ceil(numel / 32)] | summary[ceil(numel / 1024)].
+// bits[32 * ceil(numel / 1024)] (whole summary words' worth) | summary[ceil(numel / 1024)].
 #define ORDER_ITEMS 4                     // entries a lane holds in the warps' sort
 #define ORDER_WARP_MAX (32 * ORDER_ITEMS)
 #define ORDER_DIGITS_MAX 4096             // routes a block sorts by digits; more: by the bitmap
@@ -190,7 +190,7 @@ __global__ void __launch_bounds__(1024) align_order(const Problem p) {
   __syncthreads();
   int* smem = reinterpret_cast<int*>(dynamic_smem);
   unsigned* bits = reinterpret_cast<unsigned*>(dynamic_smem);
-  unsigned* summary = bits + ((p.numel + 31) >> 5);
+  unsigned* summary = bits + 32 * ((p.numel + 1023) >> 10);  // whole rounds of 32 words
   bool zeroed = false;
   for (int j = 0; j < num_long; ++j) {
     int n;
@@ -226,7 +226,14 @@ __global__ void __launch_bounds__(1024) align_order(const Problem p) {
       lo_hi[2] = 0;
     }
     __syncthreads();
-    if (routes > 0) {
+    // A warp's reduction first: 1024 threads on three shared words serialise.
+#pragma unroll
+    for (int d = 16; d > 0; d >>= 1) {
+      lo = min(lo, __shfl_xor_sync(MLA_FULL_MASK, lo, d));
+      hi = max(hi, __shfl_xor_sync(MLA_FULL_MASK, hi, d));
+      routes += __shfl_xor_sync(MLA_FULL_MASK, routes, d);
+    }
+    if (lane == 0 && routes > 0) {
       atomicMin(lo_hi, lo);
       atomicMax(lo_hi + 1, hi);
       atomicAdd(lo_hi + 2, routes);
@@ -241,7 +248,7 @@ __global__ void __launch_bounds__(1024) align_order(const Problem p) {
       zeroed = false;  // the bitmap's memory was the staging area
     } else {
       if (!zeroed) {
-        const int words = ((p.numel + 31) >> 5) + ((p.numel + 1023) >> 10);
+        const int words = 33 * ((p.numel + 1023) >> 10);
         for (int w = threadIdx.x; w < words; w += blockDim.x) bits[w] = 0u;
         __syncthreads();
         zeroed = true;

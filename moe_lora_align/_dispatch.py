@@ -188,10 +188,10 @@ def smem_cluster(num_buckets: int, rows: int) -> int:
 
 def smem_order(numel: int) -> int:
     """align_order: the larger of its digit sort's staging (routes, digit starts and cursors,
-    scan sums) and the bitmap of the route indices (a bit a route) with its summary (a bit a
-    word of it)."""
+    scan sums) and the bitmap of the route indices (a bit a route, in whole 32-word rounds)
+    with its summary (a bit a word of it)."""
     digits = 4 * (3 * ORDER_DIGITS_MAX + 1 + 32)
-    return max(digits, 4 * (max(1, _ceil_div(numel, 32)) + max(1, _ceil_div(numel, 1024))))
+    return max(digits, 4 * 33 * max(1, _ceil_div(numel, 1024)))
 
 
 def order_grid(num_buckets: int, limits: DeviceLimits) -> int:
