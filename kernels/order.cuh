@@ -166,6 +166,7 @@ __global__ void __launch_bounds__(1024) align_order(const Problem p) {
   int* lo_hi = warp_sums;
   const int nb = num_buckets(p), E = p.num_experts;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  MLA_STAMP(5, 0);
   if (threadIdx.x == 0) num_long = 0;
   __syncthreads();
   // Warp w's bucket: w * gridDim + blockIdx (gridDim * 32 >= nb: one a warp at most). Its
@@ -188,6 +189,7 @@ __global__ void __launch_bounds__(1024) align_order(const Problem p) {
     }
   }
   __syncthreads();
+  MLA_STAMP(5, 1);
   int* smem = reinterpret_cast<int*>(dynamic_smem);
   unsigned* bits = reinterpret_cast<unsigned*>(dynamic_smem);
   unsigned* summary = bits + 32 * ((p.numel + 1023) >> 10);  // whole rounds of 32 words
@@ -242,9 +244,11 @@ __global__ void __launch_bounds__(1024) align_order(const Problem p) {
     lo = lo_hi[0];
     hi = lo_hi[1];
     routes = lo_hi[2];
+    MLA_STAMP(5, 2);
     if (routes <= 1) continue;  // the same on every thread
     if (routes <= ORDER_DIGITS_MAX) {
       sort_by_digits(seg, v, routes, lo, hi, smem);
+      MLA_STAMP(5, 3);
       zeroed = false;  // the bitmap's memory was the staging area
     } else {
       if (!zeroed) {
@@ -254,6 +258,11 @@ __global__ void __launch_bounds__(1024) align_order(const Problem p) {
         zeroed = true;
       }
       sort_by_bitmap(p, seg, routes, bits, summary, warp_sums);
+      MLA_STAMP(5, 4);
     }
   }
+#ifdef MLA_PROBE
+  __syncthreads();
+  MLA_STAMP(5, 5);
+#endif
 }

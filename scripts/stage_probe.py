@@ -80,6 +80,7 @@ CASES = [  # op ("... det": deterministic=True), T, E, K, B, L
     ("lora det", 16, 64, 6, 16, 16), ("lora det", 1, 256, 8, 16, 16),
     ("lora det", 16, 256, 8, 16, 16), ("base det", 16384, 256, 8, 64, None),
     ("base det", 65536, 256, 8, 64, None), ("lora det", 4096, 256, 8, 64, 16),
+    ("base det", 4096, 256, 8, 64, None), ("base det", 1024, 256, 8, 64, None),
     ("lora det", 16384, 256, 8, 64, 16),
 ]
 STAGES = {0: ["entry", "rows+fill", "claim", "scan", "stores", "end"],
@@ -87,8 +88,9 @@ STAGES = {0: ["entry", "rows+fill", "claim", "scan", "stores", "end"],
           2: ["entry", "expert_ids", "claim", "base", "scan", "staged", "end"],
           3: ["entry", "rows+fill", "claim", "staged", "barrier", "scan+adj", "end",
               "det barrier 1"],
-          4: ["entry", "rows", "fill", "claim+barrier", "remote reads", "scan", "stores", "end"]}
-KERNEL = {0: "single", 1: "count", 2: "place", 3: "coop", 4: "cluster"}
+          4: ["entry", "rows", "fill", "claim+barrier", "remote reads", "scan", "stores", "end"],
+          5: ["entry", "warps", "range", "digits", "bitmap", "end"]}
+KERNEL = {0: "single", 1: "count", 2: "place", 3: "coop", 4: "cluster", 5: "order"}
 SLOTS = len(KERNEL)  # kernels/align_common.cuh: mla_probe's kernel slots
 
 
