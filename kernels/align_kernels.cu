@@ -68,6 +68,6 @@ __device__ __forceinline__ BlockShare block_share(const Problem& p, int nb) {
 // The kernels, by launch shape.
 #include "one_block.cuh"
 #include "count_place.cuh"
+#include "order.cuh"
 #include "cooperative.cuh"
 #include "cluster.cuh"
-#include "order.cuh"

@@ -38,17 +38,15 @@ __device__ __forceinline__ void blocks_barrier(unsigned* arrivals, unsigned bloc
 }
 
 // One alignment over blocks [0, blocks) of a cooperative launch; this is block `block`.
-// DET: ranks follow the flat route index. Warp w of a block owns a contiguous run of the
-// block's chunk; per-warp counters rank its routes in order (as in the single block), and the
-// block's place among blocks comes from a prefix over blocks of every bucket's per-block
-// counts (p.chunk_hist [blocks, nb]), computed between two barriers, instead of from the
-// order in which the reservation atomics land.
-// DET adds after the staging: warp_counts[32 * stride] ushort, stride = nb rounded up to even.
+// DET (deterministic output): after the stores, a second barrier, then the blocks sort every
+// bucket's segment in place (order_segments, order.cuh), the segment starts already in each
+// block's shared memory. The sort's scratch reuses value and bucket_of_k.
+// After the row region: hist[nb + 1] | adj[nb] | starts[nb + 1] | value[chunk] |
+// bucket_of_k[chunk] (DET: or the sort's scratch, order_scratch_bytes, the larger).
 template <typename IdT, bool DET>
 __device__ __forceinline__ void align_cooperatively(const Problem& p, int block, int blocks) {
   __shared__ int warp_sums[32];
   const int nb = num_buckets(p), E = p.num_experts;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
   const int tid = block * blockDim.x + threadIdx.x, nthreads = blocks * blockDim.x;
   unsigned char* processed = dynamic_smem;
   int* hist = reinterpret_cast<int*>(dynamic_smem + row_region_bytes(p.rows));
@@ -56,17 +54,13 @@ __device__ __forceinline__ void align_cooperatively(const Problem& p, int block,
   int* starts = adj + nb;
   int* value = starts + nb + 1;
   int* bucket_of_k = value + p.chunk;
-  const int stride = (nb + 1) & ~1;
-  unsigned short* warp_counts = reinterpret_cast<unsigned short*>(bucket_of_k + p.chunk);
   const int c0 = min(p.numel, block * p.chunk), c1 = min(p.numel, c0 + p.chunk);
   MLA_STAMP(3, 0);
 
   Route route[COOP_ITEMS];  // in flight during the set-up below
-  if (!DET) {
 #pragma unroll
-    for (int j = 0; j < COOP_ITEMS; ++j)
-      route[j] = load_route<IdT>(p, c0 + j * blockDim.x + threadIdx.x, c1);
-  }
+  for (int j = 0; j < COOP_ITEMS; ++j)
+    route[j] = load_route<IdT>(p, c0 + j * blockDim.x + threadIdx.x, c1);
   unsigned* ctrl = p.ticket;
   const uint4 words = __ldcg(reinterpret_cast<const uint4*>(ctrl));
   const int parity = (int)(words.x & 1u);
@@ -74,8 +68,6 @@ __device__ __forceinline__ void align_cooperatively(const Problem& p, int block,
   int* stale = p.counts + (1 - parity) * p.count_stride;
   const int stale_len = (int)(parity ? words.y : words.z);
   for (int b = threadIdx.x; b < nb; b += blockDim.x) hist[b] = 0;
-  if (DET)
-    for (int k = threadIdx.x; k < nwarps * stride; k += blockDim.x) warp_counts[k] = 0;
   mark_processed_rows(p, processed);
   for (int k = tid; k < stale_len; k += nthreads) stale[k] = 0;
   if (tid == 0) {
@@ -88,115 +80,59 @@ __device__ __forceinline__ void align_cooperatively(const Problem& p, int block,
 
   int bucket[COOP_ITEMS], rank[COOP_ITEMS];
   int reserved[COOP_RESERVE];
-  // DET: warp w's run of the chunk.
-  const Span span = warp_span(c0, c1, warp, nwarps);
-  const int lo = span.lo, hi = span.hi;
-  unsigned short* mine = warp_counts + warp * stride;
-  if (!DET) {
 #pragma unroll
-    for (int j = 0; j < COOP_ITEMS; ++j) {
-      const int i = c0 + j * blockDim.x + threadIdx.x;
-      bucket[j] = bucket_of(p, route[j], processed);
-      if (p.scatter_idx != nullptr && i < c1) p.scatter_idx[i] = bucket[j] >= 0 ? i : -1;
-      rank[j] = claim(hist, bucket[j]);
-    }
-    __syncthreads();
-    MLA_STAMP(3, 2);
-    // Reserve the block's range in each of its buckets. The first COOP_RESERVE buckets of
-    // each thread go out together and come back while the block scans and stages (their
-    // offsets are needed only after the barrier); further ones (more than COOP_RESERVE *
-    // blockDim buckets) wait here, COOP_RESERVE at a time.
+  for (int j = 0; j < COOP_ITEMS; ++j) {
+    const int i = c0 + j * blockDim.x + threadIdx.x;
+    bucket[j] = bucket_of(p, route[j], processed);
+    if (p.scatter_idx != nullptr && i < c1) p.scatter_idx[i] = bucket[j] >= 0 ? i : -1;
+    rank[j] = claim(hist, bucket[j]);
+  }
+  __syncthreads();
+  MLA_STAMP(3, 2);
+  // Reserve the block's range in each of its buckets. The first COOP_RESERVE buckets of
+  // each thread go out together and come back while the block scans and stages (their
+  // offsets are needed only after the barrier); further ones (more than COOP_RESERVE *
+  // blockDim buckets) wait here, COOP_RESERVE at a time.
+#pragma unroll
+  for (int u = 0; u < COOP_RESERVE; ++u) {
+    const int b = threadIdx.x + u * blockDim.x;
+    const int c = b < nb ? hist[b] : 0;
+    reserved[u] = c != 0 ? atomicAdd(counts + b, c) : 0;
+  }
+  for (int b0 = threadIdx.x + COOP_RESERVE * blockDim.x; b0 < nb;
+       b0 += COOP_RESERVE * blockDim.x) {
+    int more[COOP_RESERVE];
 #pragma unroll
     for (int u = 0; u < COOP_RESERVE; ++u) {
-      const int b = threadIdx.x + u * blockDim.x;
+      const int b = b0 + u * blockDim.x;
       const int c = b < nb ? hist[b] : 0;
-      reserved[u] = c != 0 ? atomicAdd(counts + b, c) : 0;
-    }
-    for (int b0 = threadIdx.x + COOP_RESERVE * blockDim.x; b0 < nb;
-         b0 += COOP_RESERVE * blockDim.x) {
-      int more[COOP_RESERVE];
-#pragma unroll
-      for (int u = 0; u < COOP_RESERVE; ++u) {
-        const int b = b0 + u * blockDim.x;
-        const int c = b < nb ? hist[b] : 0;
-        more[u] = c != 0 ? atomicAdd(counts + b, c) : 0;
-      }
-#pragma unroll
-      for (int u = 0; u < COOP_RESERVE; ++u)
-        if (b0 + u * blockDim.x < nb) adj[b0 + u * blockDim.x] = more[u];
-    }
-  } else {
-    for_routes<IdT>(p, lo + lane, 32, hi, [&](int i, Route r) {
-      const int b = bucket_of(p, r, processed);
-      if (p.scatter_idx != nullptr && i < hi) p.scatter_idx[i] = b >= 0 ? i : -1;
-      claim(mine, b);  // totals only: order does not matter here
-    });
-    __syncthreads();
-    MLA_STAMP(3, 2);
-    // Per bucket: each warp's counter := routes of the warps before it; hist := block total,
-    // published for the prefix over blocks, and added to the bucket's total.
-    for (int b = threadIdx.x; b < nb; b += blockDim.x) {
-      const int run = prefix_over_warps(warp_counts + b, stride, nwarps);
-      hist[b] = run;
-      p.chunk_hist[(long long)block * nb + b] = run;
-      if (run != 0) atomicAdd(counts + b, run);
-    }
-    __syncthreads();
-  }
-  // hist := the block's own offsets of each bucket (exclusive), hist[nb] := its route count.
-  scan_block(nb, [&](int b) { return hist[b]; }, hist, warp_sums);
-  if (!DET) {
-#pragma unroll
-    for (int j = 0; j < COOP_ITEMS; ++j) {
-      if (bucket[j] < 0) continue;
-      const int k = hist[bucket[j]] + rank[j];
-      value[k] = c0 + j * blockDim.x + threadIdx.x;
-      bucket_of_k[k] = bucket[j];
+      more[u] = c != 0 ? atomicAdd(counts + b, c) : 0;
     }
 #pragma unroll
     for (int u = 0; u < COOP_RESERVE; ++u)
-      if (threadIdx.x + u * blockDim.x < nb) adj[threadIdx.x + u * blockDim.x] = reserved[u];
-  } else {
-    for_routes<IdT>(p, lo + lane, 32, hi, [&](int i, Route r) {
-      const int b = bucket_of(p, r, processed);
-      const int k = claim_in_lane_order(mine, b, bucket_bits(nb));  // rank in the block, flat order
-      if (b >= 0) {
-        value[hist[b] + k] = i;
-        bucket_of_k[hist[b] + k] = b;
-      }
-    });
+      if (b0 + u * blockDim.x < nb) adj[b0 + u * blockDim.x] = more[u];
   }
+  // hist := the block's own offsets of each bucket (exclusive), hist[nb] := its route count.
+  scan_block(nb, [&](int b) { return hist[b]; }, hist, warp_sums);
+#pragma unroll
+  for (int j = 0; j < COOP_ITEMS; ++j) {
+    if (bucket[j] < 0) continue;
+    const int k = hist[bucket[j]] + rank[j];
+    value[k] = c0 + j * blockDim.x + threadIdx.x;
+    bucket_of_k[k] = bucket[j];
+  }
+#pragma unroll
+  for (int u = 0; u < COOP_RESERVE; ++u)
+    if (threadIdx.x + u * blockDim.x < nb) adj[threadIdx.x + u * blockDim.x] = reserved[u];
   MLA_STAMP(3, 3);
   blocks_barrier(ctrl + 4 + parity, (unsigned)blocks);
-  if (DET) {
-    MLA_STAMP(3, 7);
-    // Each warp of the grid turns one bucket's column of per-block counts into exclusive
-    // prefixes (in block order), then a second barrier publishes them.
-    for (int b = block * nwarps + warp; b < nb; b += blocks * nwarps) {
-      int carry = 0;
-      for (int j0 = 0; j0 < blocks; j0 += 32) {
-        const int j = j0 + lane;
-        const long long at = (long long)j * nb + b;
-        const int v = j < blocks ? __ldcg(p.chunk_hist + at) : 0;
-        const int x = warp_inclusive_sum(v);
-        if (j < blocks) p.chunk_hist[at] = carry + x - v;
-        carry += __shfl_sync(MLA_FULL_MASK, x, 31);
-      }
-    }
-    blocks_barrier(ctrl + 4 + parity, 2u * (unsigned)blocks);
-  }
   MLA_STAMP(3, 4);
 
-  for (int b = threadIdx.x; b < nb; b += blockDim.x) {
-    starts[b] = __ldcg(counts + b);
-    if (DET && hist[b + 1] != hist[b]) adj[b] = __ldcg(p.chunk_hist + (long long)block * nb + b);
-  }
+  for (int b = threadIdx.x; b < nb; b += blockDim.x) starts[b] = __ldcg(counts + b);
   __syncthreads();
   scan_padded_counts(p, nb, [&](int b) { return starts[b]; }, starts, warp_sums);
   if (block == 0) {
     write_totals(p, processed, starts);
-    // The segment starts, for align_order (deterministic output by a second launch).
-    for (int b = threadIdx.x; b <= nb; b += blockDim.x) p.starts[b] = starts[b];
     if (threadIdx.x == 0) ctrl[0] = (unsigned)(parity ^ 1);  // every block read it before the barrier
   }
   // adj[b] := where the block's route k of bucket b goes, minus k.
@@ -210,14 +146,20 @@ __device__ __forceinline__ void align_cooperatively(const Problem& p, int block,
   for (int k = threadIdx.x; k < hist[nb]; k += blockDim.x)
     p.sorted_ids[adj[bucket_of_k[k]] + k] = value[k];
   write_expert_ids(p, processed, starts, tid, nthreads);
+  if (DET) {
+    MLA_STAMP(3, 6);
+    blocks_barrier(ctrl + 4 + parity, 2u * (unsigned)blocks);
+    MLA_STAMP(3, 7);
+    order_segments(p, starts, block, blocks, value, warp_sums);
+  }
 #ifdef MLA_PROBE
   __syncthreads();
-  MLA_STAMP(3, 6);
+  if (!DET) MLA_STAMP(3, 6);
 #endif
 }
 
-// (1024, 1): one block a SM by design; without the minimum, NVRTC 13.0 gave the deterministic
-// instance 32 registers and spilled.
+// (1024, 1): one block a SM by design; without the minimum, NVRTC 13.0 gave an instance 32
+// registers and spilled.
 template <typename IdT, bool DET>
 __global__ void __launch_bounds__(1024, 1) align_cooperative(const Problem p) {
   align_cooperatively<IdT, DET>(p, blockIdx.x, gridDim.x);

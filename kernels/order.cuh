@@ -1,5 +1,6 @@
 // Deterministic output from a non-deterministic alignment, as a second launch: align_order.
-// Included by align_kernels.cu, after align_common.cuh and dynamic_smem.
+// Included by align_kernels.cu, after align_common.cuh and dynamic_smem; order_segments also
+// serves the cooperative kernel's deterministic mode (cooperative.cuh), inside its launch.
 //
 // The first launch (cooperative or count + place) puts each bucket's routes at the front of
 // its padded segment in whatever order its atomics gave them, sentinels (numel) after them,
@@ -32,7 +33,7 @@ __device__ __forceinline__ void sort_in_warp(int* seg, int n, int sentinel) {
 #pragma unroll
   for (int k = 0; k < ORDER_ITEMS; ++k) {
     const int i = k * 32 + lane;
-    v[k] = i < n ? seg[i] : 0x7fffffff;  // above every entry
+    v[k] = i < n ? __ldcg(seg + i) : 0x7fffffff;  // above every entry
     routes += __popc(__ballot_sync(MLA_FULL_MASK, v[k] < sentinel));
   }
   if (routes <= 1) return;
@@ -130,7 +131,7 @@ __device__ void sort_by_digits(int* seg, const int (&v)[ORDER_BLOCK_ITEMS], int 
 __device__ void sort_by_bitmap(const Problem& p, int* seg, int routes, unsigned* bits,
                                unsigned* summary, int* warp_sums) {
   for (int i = threadIdx.x; i < routes; i += blockDim.x) {
-    const int v = seg[i];
+    const int v = __ldcg(seg + i);
     atomicOr(bits + (v >> 5), 1u << (v & 31));
     atomicOr(summary + (v >> 10), 1u << ((v >> 5) & 31));
   }
@@ -159,108 +160,119 @@ __device__ void sort_by_bitmap(const Problem& p, int* seg, int routes, unsigned*
   __syncthreads();  // zeroed again, and warp_sums free, before the next segment
 }
 
-template <typename IdT>
-__global__ void __launch_bounds__(1024) align_order(const Problem p) {
-  __shared__ int warp_sums[32];  // also the value range and route count of a long segment
-  __shared__ int long_bucket[32], num_long;  // the buckets of the block's long segments
-  int* lo_hi = warp_sums;
+// Sort the segment of every bucket dealt to `block` of `blocks`: in rounds, warp w takes
+// bucket (round * 32 + w) * blocks + block and sorts it if it is short; the block then sorts
+// the round's long ones. `starts`: the segment starts (shared or global memory); `scratch`:
+// the sort's shared memory (order_scratch_bytes). Every thread calls it.
+__device__ void order_segments(const Problem& p, const int* starts, int block, int blocks,
+                               int* scratch, int* warp_sums) {
+  __shared__ int long_bucket[32], num_long;  // the round's long segments, by bucket
+  int* lo_hi = warp_sums;  // a long segment's value range and route count
   const int nb = num_buckets(p), E = p.num_experts;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  MLA_STAMP(5, 0);
-  if (threadIdx.x == 0) num_long = 0;
-  __syncthreads();
-  // Warp w's bucket: w * gridDim + blockIdx (gridDim * 32 >= nb: one a warp at most). Its
-  // segment's loads go out together; a short one the warp sorts, a long one the block.
-  auto segment = [&](int b, int* n) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
+  auto segment = [&](int b, int* n) {  // the loads of a segment's bounds go out together
     const int r = row_of(p, b);
-    const int s0 = __ldcg(p.starts + b), s1 = __ldcg(p.starts + b + 1);
-    const int row_start = __ldcg(p.starts + r * E);
+    const int s0 = starts[b], s1 = starts[b + 1], row_start = starts[r * E];
     *n = s1 - s0;
     return p.sorted_ids + (long long)r * p.sorted_pitch + (s0 - row_start);
   };
-  const int b = warp * gridDim.x + blockIdx.x;
-  if (b < nb) {
-    int n;
-    int* seg = segment(b, &n);
-    if (n > ORDER_WARP_MAX) {
-      if (lane == 0) long_bucket[atomicAdd(&num_long, 1)] = b;  // any order: independent
-    } else if (n > 1) {
-      sort_in_warp(seg, n, p.numel);
-    }
-  }
-  __syncthreads();
-  MLA_STAMP(5, 1);
-  int* smem = reinterpret_cast<int*>(dynamic_smem);
-  unsigned* bits = reinterpret_cast<unsigned*>(dynamic_smem);
+  unsigned* bits = reinterpret_cast<unsigned*>(scratch);
   unsigned* summary = bits + 32 * ((p.numel + 1023) >> 10);  // whole rounds of 32 words
   bool zeroed = false;
-  for (int j = 0; j < num_long; ++j) {
-    int n;
-    int* seg = segment(long_bucket[j], &n);
-    // The routes (the entries below the sentinel, all at the front) and their value range;
-    // the first ORDER_BLOCK_ITEMS * blockDim entries stay in registers.
-    int v[ORDER_BLOCK_ITEMS], lo = 0x7fffffff, hi = -1, routes = 0;
-#pragma unroll
-    for (int k = 0; k < ORDER_BLOCK_ITEMS; ++k) {
-      const int i = k * blockDim.x + threadIdx.x;
-      v[k] = i < n ? seg[i] : p.numel;
-    }
-    for (int i = ORDER_BLOCK_ITEMS * blockDim.x + threadIdx.x; i < n; i += blockDim.x) {
-      const int x = seg[i];
-      if (x < p.numel) {
-        lo = min(lo, x);
-        hi = max(hi, x);
-        ++routes;
+  for (int first = 0; first < nb; first += blocks * nwarps) {
+    if (threadIdx.x == 0) num_long = 0;
+    __syncthreads();  // also: the previous round done with the shared memory
+    const int b = first + warp * blocks + block;
+    if (b < nb) {
+      int n;
+      int* seg = segment(b, &n);
+      if (n > ORDER_WARP_MAX) {
+        if (lane == 0) long_bucket[atomicAdd(&num_long, 1)] = b;  // any order: independent
+      } else if (n > 1) {
+        sort_in_warp(seg, n, p.numel);
       }
-    }
-#pragma unroll
-    for (int k = 0; k < ORDER_BLOCK_ITEMS; ++k) {
-      if (v[k] < p.numel) {
-        lo = min(lo, v[k]);
-        hi = max(hi, v[k]);
-        ++routes;
-      }
-    }
-    __syncthreads();  // the previous segment done with shared memory and lo_hi
-    if (threadIdx.x == 0) {
-      lo_hi[0] = 0x7fffffff;
-      lo_hi[1] = -1;
-      lo_hi[2] = 0;
     }
     __syncthreads();
-    // A warp's reduction first: 1024 threads on three shared words serialise.
+    MLA_STAMP(5, 1);
+    const int longs = num_long;
+    for (int j = 0; j < longs; ++j) {
+      int n;
+      int* seg = segment(long_bucket[j], &n);
+      // The routes (the entries below the sentinel, all at the front) and their value range;
+      // the first ORDER_BLOCK_ITEMS * blockDim entries stay in registers.
+      int v[ORDER_BLOCK_ITEMS], lo = 0x7fffffff, hi = -1, routes = 0;
 #pragma unroll
-    for (int d = 16; d > 0; d >>= 1) {
-      lo = min(lo, __shfl_xor_sync(MLA_FULL_MASK, lo, d));
-      hi = max(hi, __shfl_xor_sync(MLA_FULL_MASK, hi, d));
-      routes += __shfl_xor_sync(MLA_FULL_MASK, routes, d);
-    }
-    if (lane == 0 && routes > 0) {
-      atomicMin(lo_hi, lo);
-      atomicMax(lo_hi + 1, hi);
-      atomicAdd(lo_hi + 2, routes);
-    }
-    __syncthreads();
-    lo = lo_hi[0];
-    hi = lo_hi[1];
-    routes = lo_hi[2];
-    MLA_STAMP(5, 2);
-    if (routes <= 1) continue;  // the same on every thread
-    if (routes <= ORDER_DIGITS_MAX) {
-      sort_by_digits(seg, v, routes, lo, hi, smem);
-      MLA_STAMP(5, 3);
-      zeroed = false;  // the bitmap's memory was the staging area
-    } else {
-      if (!zeroed) {
-        const int words = 33 * ((p.numel + 1023) >> 10);
-        for (int w = threadIdx.x; w < words; w += blockDim.x) bits[w] = 0u;
-        __syncthreads();
-        zeroed = true;
+      for (int k = 0; k < ORDER_BLOCK_ITEMS; ++k) {
+        const int i = k * blockDim.x + threadIdx.x;
+        v[k] = i < n ? __ldcg(seg + i) : p.numel;
       }
-      sort_by_bitmap(p, seg, routes, bits, summary, warp_sums);
-      MLA_STAMP(5, 4);
+      for (int i = ORDER_BLOCK_ITEMS * blockDim.x + threadIdx.x; i < n; i += blockDim.x) {
+        const int x = __ldcg(seg + i);
+        if (x < p.numel) {
+          lo = min(lo, x);
+          hi = max(hi, x);
+          ++routes;
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < ORDER_BLOCK_ITEMS; ++k) {
+        if (v[k] < p.numel) {
+          lo = min(lo, v[k]);
+          hi = max(hi, v[k]);
+          ++routes;
+        }
+      }
+      // A warp's reduction first: 1024 threads on three shared words serialise.
+#pragma unroll
+      for (int d = 16; d > 0; d >>= 1) {
+        lo = min(lo, __shfl_xor_sync(MLA_FULL_MASK, lo, d));
+        hi = max(hi, __shfl_xor_sync(MLA_FULL_MASK, hi, d));
+        routes += __shfl_xor_sync(MLA_FULL_MASK, routes, d);
+      }
+      __syncthreads();  // the previous segment done with shared memory and lo_hi
+      if (threadIdx.x == 0) {
+        lo_hi[0] = 0x7fffffff;
+        lo_hi[1] = -1;
+        lo_hi[2] = 0;
+      }
+      __syncthreads();
+      if (lane == 0 && routes > 0) {
+        atomicMin(lo_hi, lo);
+        atomicMax(lo_hi + 1, hi);
+        atomicAdd(lo_hi + 2, routes);
+      }
+      __syncthreads();
+      lo = lo_hi[0];
+      hi = lo_hi[1];
+      routes = lo_hi[2];
+      MLA_STAMP(5, 2);
+      if (routes <= 1) continue;  // the same on every thread
+      if (routes <= ORDER_DIGITS_MAX) {
+        sort_by_digits(seg, v, routes, lo, hi, scratch);
+        MLA_STAMP(5, 3);
+        zeroed = false;  // the bitmap's memory was the staging area
+      } else {
+        if (!zeroed) {
+          const int words = 33 * ((p.numel + 1023) >> 10);
+          for (int w = threadIdx.x; w < words; w += blockDim.x) bits[w] = 0u;
+          __syncthreads();
+          zeroed = true;
+        }
+        sort_by_bitmap(p, seg, routes, bits, summary, warp_sums);
+        MLA_STAMP(5, 4);
+      }
     }
   }
+}
+
+// The launch after the count + place kernels in deterministic mode: the segment starts they
+// left in p.starts, a bucket a warp (gridDim * 32 >= nb by the dispatcher, else rounds).
+template <typename IdT>
+__global__ void __launch_bounds__(1024) align_order(const Problem p) {
+  __shared__ int warp_sums[32];
+  MLA_STAMP(5, 0);
+  order_segments(p, p.starts, blockIdx.x, gridDim.x, reinterpret_cast<int*>(dynamic_smem),
+                 warp_sums);
 #ifdef MLA_PROBE
   __syncthreads();
   MLA_STAMP(5, 5);

@@ -55,9 +55,9 @@ class AlignPolicy:
     cluster_max_buckets: int = 1024
     cluster_routes_per_thread: int = 2
     cluster_min_block: int = 256
-    # Deterministic calls that would run the cooperative or count + place kernels run them
-    # without ordered ranks, then align_order sorts each bucket's segment (False: the
-    # kernels' own ordered ranking, a [chunks, buckets] prefix).
+    # Deterministic calls that would run the count + place kernels run them without ordered
+    # ranks, then align_order sorts each bucket's segment (False: the kernels' own ordered
+    # ranking, a [chunks, buckets] prefix). The cooperative kernel always sorts.
     sort_for_determinism: bool = True
     # Multi-block launches.
     fill_per_block: int = 8192           # sentinel entries a count block fills, about
@@ -174,11 +174,14 @@ def smem_place(mode: int, num_buckets: int, rows: int, *, range_width: int = 0,
     return row_region_bytes(rows) + head + starts + 8 * stage_chunk
 
 
-def smem_cooperative(num_buckets: int, rows: int, chunk: int, deterministic: bool) -> int:
-    """align_cooperative: hist[nb + 1], adj[nb], starts[nb + 1], value[chunk],
-    bucket_of_k[chunk], then (deterministic) warp_counts[32 * even(nb)] ushort."""
-    det = 2 * (BLOCK // 32) * _even(num_buckets) if deterministic else 0
-    return row_region_bytes(rows) + 4 * (3 * num_buckets + 2) + 8 * chunk + det
+def smem_cooperative(num_buckets: int, rows: int, chunk: int, deterministic: bool,
+                     numel: int = 0) -> int:
+    """align_cooperative: hist[nb + 1], adj[nb], starts[nb + 1], then value[chunk] and
+    bucket_of_k[chunk], or (deterministic) the segment sort's scratch where larger."""
+    staging = 8 * chunk
+    if deterministic:
+        staging = max(staging, order_scratch_bytes(numel))
+    return row_region_bytes(rows) + 4 * (3 * num_buckets + 2) + staging
 
 
 def smem_cluster(num_buckets: int, rows: int) -> int:
@@ -186,10 +189,11 @@ def smem_cluster(num_buckets: int, rows: int) -> int:
     return row_region_bytes(rows) + 4 * (3 * num_buckets + 1)
 
 
-def smem_order(numel: int) -> int:
-    """align_order: the larger of its digit sort's staging (routes, digit starts and cursors,
-    scan sums) and the bitmap of the route indices (a bit a route, in whole 32-word rounds)
-    with its summary (a bit a word of it)."""
+def order_scratch_bytes(numel: int) -> int:
+    """The segment sort's shared memory (order.cuh: align_order, and the cooperative kernel's
+    deterministic mode): the larger of its digit sort's staging (routes, digit starts and
+    cursors, scan sums) and the bitmap of the route indices (a bit a route, in whole 32-word
+    rounds) with its summary (a bit a word of it)."""
     digits = 4 * (3 * ORDER_DIGITS_MAX + 1 + 32)
     return max(digits, 4 * 33 * max(1, _ceil_div(numel, 1024)))
 
@@ -202,13 +206,14 @@ def order_grid(num_buckets: int, limits: DeviceLimits) -> int:
 
 
 def _sorted_after(launch: Launch, numel: int, num_buckets: int, limits: DeviceLimits):
-    """``launch`` (non-deterministic) followed by align_order, or None where that does
-    not apply: a kernel that leaves no segment starts in global memory (one block, one
-    cluster) or a bitmap of the routes that does not fit in shared memory."""
-    if launch.kind not in ("cooperative", "multi") or smem_order(numel) > limits.dynamic_smem:
+    """The count + place ``launch`` (non-deterministic) followed by align_order, or None
+    where that does not apply: another kind of launch (the cooperative kernel sorts inside
+    its own launch; one block and one cluster rank in order) or a sort whose shared memory
+    does not fit."""
+    if launch.kind != "multi" or order_scratch_bytes(numel) > limits.dynamic_smem:
         return None
     return replace(launch, order_grid=order_grid(num_buckets, limits),
-                   smem_order=smem_order(numel))
+                   smem_order=order_scratch_bytes(numel))
 
 
 def shared_fits(num_buckets: int, rows: int, limits: DeviceLimits) -> bool:
@@ -291,7 +296,7 @@ def _cooperative(numel, num_buckets, rows, limits, out_entries, deterministic=Fa
     """The one-launch multi-block kernel's geometry, or None where it cannot run: no
     cooperative launch, more routes than the resident blocks hold, or its shared memory
     (histogram, reserved offsets, starts: 12 bytes a bucket; 8 bytes a staged route; in
-    deterministic mode 2 bytes a bucket for each of 32 warps) does not fit. At most one block
+    deterministic mode the segment sort's scratch where larger) does not fit. At most one block
     per SM, so every block is resident whatever the occupancy."""
     if not limits.cooperative:
         return None
@@ -299,7 +304,7 @@ def _cooperative(numel, num_buckets, rows, limits, out_entries, deterministic=Fa
     chunk = max(BLOCK, _ceil_div(per_sm, BLOCK) * BLOCK)
     if chunk > COOP_ITEMS * BLOCK:
         return None
-    smem = smem_cooperative(num_buckets, rows, chunk, deterministic)
+    smem = smem_cooperative(num_buckets, rows, chunk, deterministic, numel)
     if smem > limits.dynamic_smem:
         return None
     # Blocks past the last chunk only take their share of the sentinel fill.
@@ -357,15 +362,17 @@ def choose_launch(numel: int, num_buckets: int, rows: int, limits: DeviceLimits,
     cannot run these sizes raises ``ValueError``. Left to itself the dispatcher picks one
     cluster between the policy's ``cluster_min_routes`` and ``cluster_max_routes`` where the
     device has clusters, else one block at decode sizes, else the cooperative launch where it
-    fits, else count + place. A deterministic call takes the same pick (clusters aside) and
-    sorts each segment after it (``align_order``) where the pick is the cooperative or
-    count + place launch (``policy.sort_for_determinism``), else the kernels that rank routes
-    in flat order themselves.
+    fits, else count + place. Deterministic calls: one block ranks in flat order; the
+    cooperative kernel sorts each segment inside its launch after a second barrier; count +
+    place is followed by ``align_order``, which sorts each segment
+    (``policy.sort_for_determinism``; where its shared memory does not fit, or with the
+    policy off, the count + place kernels rank in flat order themselves).
     """
     if variant is not None and variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS} or None, got {variant!r}")
     if deterministic and policy.sort_for_determinism and variant != "cluster":
-        # The non-deterministic pick (a cluster cannot be sorted after: without it), sorted.
+        # Where the non-deterministic pick (clusters aside) is count + place: it, then
+        # align_order.
         try:
             fast = choose_launch(numel, num_buckets, rows, replace(limits, clusters=False),
                                  variant=variant, out_entries=out_entries, policy=policy)
@@ -466,7 +473,8 @@ def _forced_cooperative(numel, num_buckets, rows, limits, deterministic, out_ent
                    f"hold ({COOP_ITEMS * BLOCK} each)")
         else:
             why = (f"its shared memory for {num_buckets} buckets"
-                   + (" (with per-warp counters: deterministic)" if deterministic else "")
+                   + (" (with the segment sort's scratch: deterministic)" if deterministic
+                      else "")
                    + f" exceeds the {limits.dynamic_smem} bytes a block may have")
         raise ValueError(f"variant='cooperative' cannot run this alignment: {why}; use "
                          "variant='shared' or 'global', or leave variant unset")
@@ -621,11 +629,11 @@ def kernel_demands(launch, numel: int, sides) -> list:
         return [("cluster" if len(sides) == 1 else "cluster_pair", launch.grid, launch.block,
                  launch.smem_place, need)]
     (nb, rows), = sides
-    order = ([("order", launch.order_grid, BLOCK, launch.smem_order, smem_order(numel))]
-             if launch.order_grid else [])
+    order = ([("order", launch.order_grid, BLOCK, launch.smem_order,
+               order_scratch_bytes(numel))] if launch.order_grid else [])
     if launch.kind == "cooperative":
         return [("cooperative", launch.grid, launch.block, launch.smem_place,
-                 smem_cooperative(nb, rows, launch.chunk, launch.deterministic))] + order
+                 smem_cooperative(nb, rows, launch.chunk, launch.deterministic, numel))]
     staged = launch.chunk if launch.stage_output else 0
     return [("count", launch.count_grid, launch.block, launch.smem_count,
              smem_count(launch.mode, nb, rows, launch.range_width)),

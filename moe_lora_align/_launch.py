@@ -315,8 +315,6 @@ def workspace_needs(launch: _dispatch.Launch, num_buckets: int):
     # Per-chunk offsets of every bucket: deterministic and shared multi-block modes.
     matrix = (launch.grid // launch.ranges) * num_buckets if launch.mode in (0, 2) and \
         launch.kind == "multi" else 0
-    if launch.kind == "cooperative" and launch.deterministic:
-        matrix = launch.grid * num_buckets  # per-block counts, prefixed between two barriers
     return num_buckets, matrix
 
 

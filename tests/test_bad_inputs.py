@@ -244,13 +244,14 @@ def test_scratch_bytes_formula():
     h200 = mla._dispatch.DeviceLimits.h200()
     # decode: one block, a workspace of 1 bucket's worth unused, b = 256
     assert mla.scratch_bytes(8, 256, 64, limits=h200) == 4 * (5 * 256 + 10 + 1)
-    # deterministic prefill: the cooperative kernel, then align_order: no matrix
+    # deterministic prefill: the cooperative kernel, which sorts in its launch: no matrix
     assert mla.scratch_bytes(32768, 256, 64, deterministic=True, limits=h200) == \
         4 * (5 * 256 + 10 + 1)
-    # the cooperative kernel's own ordered ranks: per-block counts, grid * b
+    # count + place ranking in order: per-chunk counts, chunks * b
+    no_coop = dataclasses.replace(h200, cooperative=False)
     ordered = dataclasses.replace(mla.AlignPolicy(), sort_for_determinism=False)
-    launch = mla._dispatch.choose_launch(32768, 256, 1, h200, deterministic=True,
+    launch = mla._dispatch.choose_launch(32768, 256, 1, no_coop, deterministic=True,
                                          out_entries=32768 * 2 + 256 * 64, policy=ordered)
-    assert launch.kind == "cooperative" and launch.deterministic
-    assert mla.scratch_bytes(32768, 256, 64, deterministic=True, limits=h200,
+    assert launch.kind == "multi" and launch.deterministic
+    assert mla.scratch_bytes(32768, 256, 64, deterministic=True, limits=no_coop,
                              policy=ordered) == 4 * (5 * 256 + 10 + launch.grid * 256)

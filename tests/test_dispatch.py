@@ -26,7 +26,7 @@ ORDERED = dataclasses.replace(d.DEFAULT_POLICY, sort_for_determinism=False)
     (4096, 4 * 256, 4, H200, False, None, ("cluster", "cluster", 1)),
     (2048, 256, 1, NO_CLUSTERS, False, None, ("shared", "single", 1)),
     (4097, 256, 1, NO_CLUSTERS, False, None, ("cooperative", "cooperative", 1)),
-    (4097, 256, 1, H200, True, None, ("cooperative", "cooperative", 2)),
+    (4097, 256, 1, H200, True, None, ("cooperative", "cooperative", 1)),
     (4096, 8192, 1, H200, False, None, ("shared", "single", 1)),
     (2048, 256, 1, H200, True, None, ("shared", "single", 1)),
     # prefill sizes: one cooperative launch where it can run, else count + place
@@ -38,9 +38,9 @@ ORDERED = dataclasses.replace(d.DEFAULT_POLICY, sort_for_determinism=False)
     (16384 * 8, 16 * 4096, 16, H200, False, None, ("global", "multi", 2)),
     (4097, 256, 1, NO_COOP, False, None, ("shared", "multi", 2)),
     (65536 * 8, 256, 1, NO_COOP, False, None, ("shared", "multi", 2)),
-    (16384 * 8, 16 * 256, 16, H200, True, None, ("cooperative", "cooperative", 2)),
-    (65536 * 8, 256, 1, H200, True, None, ("cooperative", "cooperative", 2)),
-    (16384 * 8, 4 * 512, 4, H200, True, None, ("cooperative", "cooperative", 2)),
+    (16384 * 8, 16 * 256, 16, H200, True, None, ("cooperative", "cooperative", 1)),
+    (65536 * 8, 256, 1, H200, True, None, ("cooperative", "cooperative", 1)),
+    (16384 * 8, 4 * 512, 4, H200, True, None, ("cooperative", "cooperative", 1)),
     (65536 * 8, 256, 1, NO_COOP, True, None, ("shared", "multi", 3)),
     # too many buckets for shared memory: the global variant, whatever the size
     (8, 65536, 16, H200, False, None, ("global", "multi", 2)),
@@ -95,7 +95,7 @@ def test_shared_override_that_cannot_fit_is_a_clear_error():
     (1024, 64, NO_COOP, False, "cannot issue cooperative launches"),
     (132 * 8192 + 1, 64, H200, False, "more than its 132 resident blocks"),
     (1024, 65536, H200, False, "shared memory for 65536 buckets"),
-    (1024, 4096, H200, True, "per-warp counters: deterministic"),
+    (132 * 8192, 16384, H200, True, "segment sort's scratch: deterministic"),
 ])
 def test_cooperative_override_that_cannot_run_is_a_clear_error(numel, buckets, limits, det, why):
     with pytest.raises(ValueError, match=why):
@@ -104,34 +104,38 @@ def test_cooperative_override_that_cannot_run_is_a_clear_error(numel, buckets, l
 
 
 def test_deterministic_calls_sort_after_the_fast_kernels():
-    """Deterministic: the non-deterministic pick, then align_order, where the pick leaves its
-    segment starts in global memory and the bitmap of the routes fits; else the kernels'
-    own ordered ranks."""
-    for numel, nb, rows, limits, variant in ((65536 * 8, 256, 1, H200, None),
-                                             (1024, 4096, 1, H200, "cooperative"),
-                                             (16384 * 8, 16 * 256, 16, NO_COOP, None),
-                                             (2048, 256, 1, H200, "shared")):
+    """Deterministic: the cooperative kernel sorts each segment inside its launch (its
+    scratch in the staging's place); count + place is followed by align_order where the
+    sort's shared memory fits; one block ranks in order."""
+    coop = d.choose_launch(65536 * 8, 256, 1, H200, deterministic=True)
+    fast = d.choose_launch(65536 * 8, 256, 1, H200)
+    assert coop.kind == "cooperative" and coop.deterministic and not coop.order_grid
+    assert coop.launches == 1 and coop.grid == fast.grid
+    assert coop.smem_place == fast.smem_place - 8 * fast.chunk + max(
+        8 * fast.chunk, d.order_scratch_bytes(65536 * 8))
+    # LoRA, 16 x 256 buckets: the sort needs no per-warp counters, so the cooperative
+    # kernel runs it (the ordered ranks did not fit).
+    lora = d.choose_launch(16384 * 8, 16 * 256, 16, H200, deterministic=True)
+    assert lora.kind == "cooperative" and lora.deterministic
+    for numel, nb, rows, limits, variant in ((16384 * 8, 16 * 256, 16, NO_COOP, None),
+                                             (8192, 256, 1, H200, "shared"),
+                                             (2048, 256, 1, H200, "global")):
         fast = d.choose_launch(numel, nb, rows, limits, variant=variant)
         det = d.choose_launch(numel, nb, rows, limits, variant=variant, deterministic=True)
-        if fast.kind == "single":  # no starts in global memory: ordered ranks
-            assert det.deterministic and not det.order_grid
-            continue
         assert det == dataclasses.replace(fast, order_grid=d.order_grid(nb, limits),
-                                          smem_order=d.smem_order(numel))
+                                          smem_order=d.order_scratch_bytes(numel))
         assert det.launches == fast.launches + 1 and det.deterministic_output
         assert det.order_grid * (d.BLOCK // 32) >= nb  # a warp a bucket
-    # A cluster pick (mid band): the cooperative launch and align_order instead.
-    mid = d.choose_launch(8192, 256, 1, H200, deterministic=True)
-    assert mid.kind == "cooperative" and mid.order_grid
     # Decode: one block ranks in order.
     assert d.choose_launch(64, 256, 1, H200, deterministic=True).kind == "single"
-    # More routes than a bitmap in shared memory holds: ordered ranks.
+    # Past the sort's shared memory: count + place rank in order.
     huge = 8 * H200.dynamic_smem + 1
+    assert d.order_scratch_bytes(huge) > H200.dynamic_smem
     launch = d.choose_launch(huge, 256, 1, NO_COOP, deterministic=True)
     assert launch.deterministic and not launch.order_grid
-    # Sorting off: ordered ranks everywhere.
-    launch = d.choose_launch(65536 * 8, 256, 1, H200, deterministic=True, policy=ORDERED)
-    assert launch.deterministic and not launch.order_grid and launch.launches == 1
+    # Sorting off: count + place rank in order.
+    launch = d.choose_launch(65536 * 8, 256, 1, NO_COOP, deterministic=True, policy=ORDERED)
+    assert launch.kind == "multi" and launch.deterministic and not launch.order_grid
 
 
 def test_cooperative_fill_spreads_over_the_sms():
@@ -258,7 +262,7 @@ def test_fill_blocks_join_the_count_kernel():
     assert launch.count_grid == -(-16 * (48896 + 764) // d.DEFAULT_POLICY.fill_per_block) > launch.grid
     assert d.choose_launch(65536 * 8, 256, 1, H200, out_entries=10**9,
                            variant="shared").count_grid == H200.sm_count
-    det = d.choose_launch(4096 * 8, 16 * 256, 16, H200, out_entries=16 * 48896,
+    det = d.choose_launch(4096 * 8, 16 * 256, 16, NO_COOP, out_entries=16 * 48896,
                           deterministic=True, policy=ORDERED)
     assert det.count_grid == det.grid
 
@@ -363,9 +367,9 @@ def test_decode_with_a_large_fill_prefers_the_cooperative_launch():
     assert d.choose_launch(2048, 16 * 256, 16, H200, out_entries=entries,
                            variant="shared").kind == "single"
     assert d.choose_launch(2048, 16 * 256, 16, H200, out_entries=entries,
-                           deterministic=True, policy=ORDERED).kind == "single"
-    assert d.choose_launch(2048, 16 * 256, 16, H200, out_entries=entries,
-                           deterministic=True).order_grid
+                           deterministic=True).kind == "cooperative"
+    assert d.choose_launch(2048, 16 * 256, 16, NO_COOP, out_entries=entries,
+                           deterministic=True).kind == "single"
     # T=16: 67K entries, one block still wins
     assert d.choose_launch(128, 16 * 256, 16, H200, out_entries=16 * (3968 + 248)).kind == \
         "single"

@@ -442,8 +442,8 @@ def test_cluster_pair_is_fused(E, T, L):
         np.testing.assert_array_equal(g[2].get(), np.asarray(r[2]))
 
 
-# align_order: deterministic output from the fast kernels (cooperative, count + place),
-# every segment sorted after them. Segment lengths on both sides of the warps' limit
+# Deterministic output by sorting each segment after the fast kernels: inside the
+# cooperative launch, or align_order after count + place. Segment lengths on both sides of the warps' limit
 # (ORDER_WARP_MAX, with and without padding inside the segment) and of the blocks' digit
 # sort (ORDER_DIGITS_MAX, then the bitmap), after each kernel it follows; values clustered
 # in one digit; route counts on both sides of
@@ -465,15 +465,15 @@ def _one_hot_expert(count, numel, E, hot, seed):
     return ids.reshape(-1, 8)
 
 
-def _exact(ids, B, E, variant, policy, expect_order=None):
-    """GPU (deterministic, poisoned guarded out=) against the NumPy backend, exactly."""
+def _exact(ids, B, E, variant, policy):
+    """GPU (deterministic, poisoned guarded out=) against the NumPy backend, exactly; returns
+    the dispatcher's launch."""
     P, M = mla.buffer_sizes(ids.size, E, B)
-    if expect_order is not None:
-        launch = mla._dispatch.choose_launch(ids.size, E, 1, mla._launch.device_limits(0),
-                                             deterministic=True, variant=variant,
-                                             out_entries=P + M,
-                                             policy=policy or mla.AlignPolicy())
-        assert bool(launch.order_grid) == expect_order, launch
+    launch = mla._dispatch.choose_launch(ids.size, E, 1, mla._launch.device_limits(0),
+                                         deterministic=True, variant=variant,
+                                         out_entries=P + M,
+                                         policy=policy or mla.AlignPolicy())
+    assert launch.deterministic_output
     ref = mla.moe_align_block_size(ids, B, E, return_scatter_idx=True)
     dev = [guarded([n], cupy) for n in (P, M, 1, ids.size)]
     mla.moe_align_block_size(cupy.asarray(ids), B, E, return_scatter_idx=True,
@@ -484,6 +484,7 @@ def _exact(ids, B, E, variant, policy, expect_order=None):
         w = whole.get()
         assert (w[:GUARD] == POISON).all() and (w[-GUARD:] == POISON).all(), f"{name} guard"
         np.testing.assert_array_equal(view.get(), np.asarray(want), err_msg=name)
+    return launch
 
 
 @pytest.mark.parametrize("how", ["sorted", "ordered"])
@@ -493,8 +494,10 @@ def _exact(ids, B, E, variant, policy, expect_order=None):
 @pytest.mark.parametrize("variant", [None, "shared", "global", "cooperative"])
 def test_order_segment_lengths(variant, count, B, how):
     ids = _one_hot_expert(count, 32768, 256, hot=5, seed=count + B)
-    _exact(ids, B, 256, variant, ORDERED if how == "ordered" else None,
-           expect_order=how == "sorted")
+    launch = _exact(ids, B, 256, variant, ORDERED if how == "ordered" else None)
+    # the cooperative kernel sorts in its launch; count + place sort after, unless ordered
+    assert launch.kind == ("multi" if variant in ("shared", "global") else "cooperative")
+    assert bool(launch.order_grid) == (launch.kind == "multi" and how == "sorted")
 
 
 @pytest.mark.parametrize("dense,spread", [(2048, 1000), (4096, 0), (DIGITS_MAX, 1),
@@ -507,7 +510,8 @@ def test_order_clustered_values(dense, spread):
     ids = rng.integers(1, 64, size=numel).astype(np.int32)
     ids[1000:1000 + dense] = 0
     ids[rng.choice(np.arange(1000 + dense, numel), size=spread, replace=False)] = 0
-    _exact(ids.reshape(-1, 1), 16, 64, None, None, expect_order=True)
+    _exact(ids.reshape(-1, 1), 16, 64, None, None)
+    _exact(ids.reshape(-1, 1), 16, 64, "shared", None)
 
 
 @pytest.mark.parametrize("extra", [0, 1])
@@ -515,11 +519,12 @@ def test_order_both_sides_of_the_largest_bitmap(extra):
     limits = mla._launch.device_limits(0)
     # the most routes (a multiple of 8) whose bitmap fits a block's shared memory
     largest = max(n for n in range(0, 8 * limits.dynamic_smem, 8)
-                  if mla._dispatch.smem_order(n) <= limits.dynamic_smem)
+                  if mla._dispatch.order_scratch_bytes(n) <= limits.dynamic_smem)
     numel = largest + 8 * extra
     ids = np.random.default_rng(extra).integers(64, size=(numel // 8, 8)).astype(np.int32)
     ids[::3, 0] = 7  # one long segment among the uniform ones
-    _exact(ids, 64, 64, None, None, expect_order=extra == 0)
+    launch = _exact(ids, 64, 64, None, None)
+    assert launch.kind == "multi" and bool(launch.order_grid) == (extra == 0)
 
 
 @pytest.mark.parametrize("how", ["sorted", "ordered"])
