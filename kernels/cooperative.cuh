@@ -151,6 +151,10 @@ __device__ __forceinline__ void align_cooperatively(const Problem& p, int block,
     blocks_barrier(ctrl + 4 + parity, 2u * (unsigned)blocks);
     MLA_STAMP(3, 7);
     order_segments(p, starts, block, blocks, value, warp_sums);
+#ifdef MLA_PROBE
+    __syncthreads();
+    MLA_STAMP(5, 5);
+#endif
   }
 #ifdef MLA_PROBE
   __syncthreads();

@@ -105,6 +105,7 @@ __device__ void sort_by_digits(int* seg, const int (&v)[ORDER_BLOCK_ITEMS], int 
   for (int k = 0; k < ORDER_BLOCK_ITEMS; ++k)
     if (k * blockDim.x + threadIdx.x < routes) atomicAdd(start + ((v[k] - lo) >> shift), 1);
   __syncthreads();
+  MLA_STAMP(5, 7);
   scan_block(digits, [&](int d) { return start[d]; }, start, cursor + digits);
   for (int d = threadIdx.x; d < digits; d += blockDim.x) cursor[d] = start[d];
   __syncthreads();
@@ -179,6 +180,7 @@ __device__ void order_segments(const Problem& p, const int* starts, int block, i
   unsigned* bits = reinterpret_cast<unsigned*>(scratch);
   unsigned* summary = bits + 32 * ((p.numel + 1023) >> 10);  // whole rounds of 32 words
   bool zeroed = false;
+  MLA_STAMP(5, 0);
   for (int first = 0; first < nb; first += blocks * nwarps) {
     if (threadIdx.x == 0) num_long = 0;
     __syncthreads();  // also: the previous round done with the shared memory
@@ -214,6 +216,7 @@ __device__ void order_segments(const Problem& p, const int* starts, int block, i
           ++routes;
         }
       }
+      MLA_STAMP(5, 6);
 #pragma unroll
       for (int k = 0; k < ORDER_BLOCK_ITEMS; ++k) {
         if (v[k] < p.numel) {
@@ -270,7 +273,6 @@ __device__ void order_segments(const Problem& p, const int* starts, int block, i
 template <typename IdT>
 __global__ void __launch_bounds__(1024) align_order(const Problem p) {
   __shared__ int warp_sums[32];
-  MLA_STAMP(5, 0);
   order_segments(p, p.starts, blockIdx.x, gridDim.x, reinterpret_cast<int*>(dynamic_smem),
                  warp_sums);
 #ifdef MLA_PROBE

@@ -89,7 +89,7 @@ STAGES = {0: ["entry", "rows+fill", "claim", "scan", "stores", "end"],
           3: ["entry", "rows+fill", "claim", "staged", "barrier", "scan+adj", "end",
               "det barrier 1"],
           4: ["entry", "rows", "fill", "claim+barrier", "remote reads", "scan", "stores", "end"],
-          5: ["entry", "warps", "range", "digits", "bitmap", "end"]}
+          5: ["entry", "warps", "range", "digits", "bitmap", "end", "loads", "counted"]}
 KERNEL = {0: "single", 1: "count", 2: "place", 3: "coop", 4: "cluster", 5: "order"}
 SLOTS = len(KERNEL)  # kernels/align_common.cuh: mla_probe's kernel slots
 
