@@ -12,16 +12,16 @@
 //
 // Warps sort the segments of at most ORDER_WARP_MAX entries in registers (a bitonic network,
 // or each route's rank counted against the others). A block sorts each longer one: up to
-// ORDER_DIGITS_MAX routes by a counting sort on digits of their value range, more through a
+// ORDER_DIGITS_MAX entries by a counting sort on digits of the route indices, more through a
 // bitmap of the numel route indices with a summary bit for every nonzero word of it (reading
-// it back costs numel / 1024 and the routes, which are then at least ORDER_DIGITS_MAX).
+// it back costs numel / 1024 and the routes).
 // Buckets are dealt to warps and blocks round-robin, so the work spreads over every SM.
 // Dynamic shared memory, the larger of: the digit sort's vals[ORDER_DIGITS_MAX] |
-// start[ORDER_DIGITS_MAX + 1] | cursor[ORDER_DIGITS_MAX] | scan sums[32], and the bitmap
+// start[ORDER_DIGITS_MAX + 1] | scan sums[32], and the bitmap
 // bits[32 * ceil(numel / 1024)] (whole summary words' worth) | summary[ceil(numel / 1024)].
 #define ORDER_ITEMS 4                     // entries a lane holds in the warps' sort
 #define ORDER_WARP_MAX (32 * ORDER_ITEMS)
-#define ORDER_DIGITS_MAX 4096             // routes a block sorts by digits; more: by the bitmap
+#define ORDER_DIGITS_MAX 4096             // entries a block sorts by digits; more: by the bitmap
 #define ORDER_BLOCK_ITEMS 4               // entries a thread of a block holds: ORDER_DIGITS_MAX / 1024
 
 // Sort the routes of seg[0, n) (sentinels stay at the back), n <= ORDER_WARP_MAX, by one
@@ -84,55 +84,53 @@ __device__ __forceinline__ int scan_threads(int value, int* warp_sums, int* tota
   return before;
 }
 
-// Sort the `routes` routes at the front of seg (ORDER_WARP_MAX < routes <= ORDER_DIGITS_MAX,
-// values in [lo, hi]) by the whole block; thread t holds entries t + k * blockDim in v[k].
-// A counting sort on digits of the value range (at least a digit a route, so a digit holds
-// about one route when the values spread), then each route's rank among its digit's few.
-// Shared memory: vals[routes] | start[digits + 1] | cursor[digits] | scan sums[32]. Every
-// thread calls it.
-__device__ void sort_by_digits(int* seg, const int (&v)[ORDER_BLOCK_ITEMS], int routes, int lo,
-                               int hi, int* smem) {
+// Sort the routes at the front of seg[0, n) (ORDER_WARP_MAX < n <= ORDER_DIGITS_MAX; the
+// entries at or above `sentinel` stay behind them) by the whole block; thread t holds entry
+// t + k * blockDim in v[k]. A counting sort on digits of [0, sentinel), at least a digit an
+// entry, then each route's rank among its digit's few (a digit spans sentinel / digits
+// values, so however the values cluster it holds at most that many). Shared memory:
+// vals[n] | start[digits + 1] | scan sums[32]. Every thread calls it.
+__device__ void sort_by_digits(int* seg, const int (&v)[ORDER_BLOCK_ITEMS], int n, int sentinel,
+                               int* smem) {
   int digits = 2;
-  while (digits < routes) digits <<= 1;
+  while (digits < n) digits <<= 1;
   int shift = 0;
-  while (((hi - lo) >> shift) >= digits) ++shift;
+  while (((sentinel - 1) >> shift) >= digits) ++shift;
   int* vals = smem;
-  int* start = vals + routes;
-  int* cursor = start + digits + 1;
+  int* start = vals + n;
   for (int d = threadIdx.x; d <= digits; d += blockDim.x) start[d] = 0;
   __syncthreads();
 #pragma unroll
   for (int k = 0; k < ORDER_BLOCK_ITEMS; ++k)
-    if (k * blockDim.x + threadIdx.x < routes) atomicAdd(start + ((v[k] - lo) >> shift), 1);
+    if (v[k] < sentinel) atomicAdd(start + (v[k] >> shift), 1);
   __syncthreads();
-  MLA_STAMP(5, 7);
-  scan_block(digits, [&](int d) { return start[d]; }, start, cursor + digits);
-  for (int d = threadIdx.x; d < digits; d += blockDim.x) cursor[d] = start[d];
-  __syncthreads();
+  // start[d] := the first place of digit d; the scatter's claims then leave it at the
+  // digit's end, which is where digit d + 1 starts.
+  scan_block(digits, [&](int d) { return start[d]; }, start, start + digits + 1);
 #pragma unroll
   for (int k = 0; k < ORDER_BLOCK_ITEMS; ++k)
-    if (k * blockDim.x + threadIdx.x < routes)
-      vals[atomicAdd(cursor + ((v[k] - lo) >> shift), 1)] = v[k];
+    if (v[k] < sentinel) vals[atomicAdd(start + (v[k] >> shift), 1)] = v[k];
   __syncthreads();
 #pragma unroll
   for (int k = 0; k < ORDER_BLOCK_ITEMS; ++k) {
-    if (k * blockDim.x + threadIdx.x < routes) {
-      const int d = (v[k] - lo) >> shift;
-      int rank = start[d];
-      for (int q = start[d]; q < start[d + 1]; ++q) rank += vals[q] < v[k];
+    if (v[k] < sentinel) {
+      const int d = v[k] >> shift, end = start[d];
+      int rank = d > 0 ? start[d - 1] : 0;
+      for (int q = rank; q < end; ++q) rank += vals[q] < v[k];
       seg[rank] = v[k];
     }
   }
 }
 
-// Sort the `routes` routes at the front of seg (more than ORDER_DIGITS_MAX) by the whole
-// block, through the zeroed bitmap `bits` of the numel route indices and its `summary` (a bit
+// Sort the routes at the front of seg[0, n) (n more than ORDER_DIGITS_MAX; the sentinels
+// stay behind them) by the whole block, through the zeroed bitmap `bits` of the numel route indices and its `summary` (a bit
 // a word of it), both zeroed again on the way out. Each warp reads back a contiguous run of
 // the bitmap 32 words (one summary word) at a time, skipping empty ones. Every thread calls it.
-__device__ void sort_by_bitmap(const Problem& p, int* seg, int routes, unsigned* bits,
+__device__ void sort_by_bitmap(const Problem& p, int* seg, int n, unsigned* bits,
                                unsigned* summary, int* warp_sums) {
-  for (int i = threadIdx.x; i < routes; i += blockDim.x) {
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
     const int v = __ldcg(seg + i);
+    if (v >= p.numel) continue;
     atomicOr(bits + (v >> 5), 1u << (v & 31));
     atomicOr(summary + (v >> 10), 1u << ((v >> 5) & 31));
   }
@@ -168,7 +166,6 @@ __device__ void sort_by_bitmap(const Problem& p, int* seg, int routes, unsigned*
 __device__ void order_segments(const Problem& p, const int* starts, int block, int blocks,
                                int* scratch, int* warp_sums) {
   __shared__ int long_bucket[32], num_long;  // the round's long segments, by bucket
-  int* lo_hi = warp_sums;  // a long segment's value range and route count
   const int nb = num_buckets(p), E = p.num_experts;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
   auto segment = [&](int b, int* n) {  // the loads of a segment's bounds go out together
@@ -200,68 +197,27 @@ __device__ void order_segments(const Problem& p, const int* starts, int block, i
     for (int j = 0; j < longs; ++j) {
       int n;
       int* seg = segment(long_bucket[j], &n);
-      // The routes (the entries below the sentinel, all at the front) and their value range;
-      // the first ORDER_BLOCK_ITEMS * blockDim entries stay in registers.
-      int v[ORDER_BLOCK_ITEMS], lo = 0x7fffffff, hi = -1, routes = 0;
+      if (n <= ORDER_DIGITS_MAX) {
+        int v[ORDER_BLOCK_ITEMS];
 #pragma unroll
-      for (int k = 0; k < ORDER_BLOCK_ITEMS; ++k) {
-        const int i = k * blockDim.x + threadIdx.x;
-        v[k] = i < n ? __ldcg(seg + i) : p.numel;
-      }
-      for (int i = ORDER_BLOCK_ITEMS * blockDim.x + threadIdx.x; i < n; i += blockDim.x) {
-        const int x = __ldcg(seg + i);
-        if (x < p.numel) {
-          lo = min(lo, x);
-          hi = max(hi, x);
-          ++routes;
+        for (int k = 0; k < ORDER_BLOCK_ITEMS; ++k) {
+          const int i = k * blockDim.x + threadIdx.x;
+          v[k] = i < n ? __ldcg(seg + i) : p.numel;
         }
-      }
-      MLA_STAMP(5, 6);
-#pragma unroll
-      for (int k = 0; k < ORDER_BLOCK_ITEMS; ++k) {
-        if (v[k] < p.numel) {
-          lo = min(lo, v[k]);
-          hi = max(hi, v[k]);
-          ++routes;
-        }
-      }
-      // A warp's reduction first: 1024 threads on three shared words serialise.
-#pragma unroll
-      for (int d = 16; d > 0; d >>= 1) {
-        lo = min(lo, __shfl_xor_sync(MLA_FULL_MASK, lo, d));
-        hi = max(hi, __shfl_xor_sync(MLA_FULL_MASK, hi, d));
-        routes += __shfl_xor_sync(MLA_FULL_MASK, routes, d);
-      }
-      __syncthreads();  // the previous segment done with shared memory and lo_hi
-      if (threadIdx.x == 0) {
-        lo_hi[0] = 0x7fffffff;
-        lo_hi[1] = -1;
-        lo_hi[2] = 0;
-      }
-      __syncthreads();
-      if (lane == 0 && routes > 0) {
-        atomicMin(lo_hi, lo);
-        atomicMax(lo_hi + 1, hi);
-        atomicAdd(lo_hi + 2, routes);
-      }
-      __syncthreads();
-      lo = lo_hi[0];
-      hi = lo_hi[1];
-      routes = lo_hi[2];
-      MLA_STAMP(5, 2);
-      if (routes <= 1) continue;  // the same on every thread
-      if (routes <= ORDER_DIGITS_MAX) {
-        sort_by_digits(seg, v, routes, lo, hi, scratch);
+        MLA_STAMP(5, 6);
+        __syncthreads();  // the previous segment done with the shared memory
+        sort_by_digits(seg, v, n, p.numel, scratch);
         MLA_STAMP(5, 3);
         zeroed = false;  // the bitmap's memory was the staging area
       } else {
+        __syncthreads();  // the previous segment done with the shared memory
         if (!zeroed) {
           const int words = 33 * ((p.numel + 1023) >> 10);
           for (int w = threadIdx.x; w < words; w += blockDim.x) bits[w] = 0u;
           __syncthreads();
           zeroed = true;
         }
-        sort_by_bitmap(p, seg, routes, bits, summary, warp_sums);
+        sort_by_bitmap(p, seg, n, bits, summary, warp_sums);
         MLA_STAMP(5, 4);
       }
     }

@@ -194,7 +194,7 @@ def order_scratch_bytes(numel: int) -> int:
     deterministic mode): the larger of its digit sort's staging (routes, digit starts and
     cursors, scan sums) and the bitmap of the route indices (a bit a route, in whole 32-word
     rounds) with its summary (a bit a word of it)."""
-    digits = 4 * (3 * ORDER_DIGITS_MAX + 1 + 32)
+    digits = 4 * (2 * ORDER_DIGITS_MAX + 1 + 32)
     return max(digits, 4 * 33 * max(1, _ceil_div(numel, 1024)))
 
 
@@ -307,9 +307,11 @@ def _cooperative(numel, num_buckets, rows, limits, out_entries, deterministic=Fa
     smem = smem_cooperative(num_buckets, rows, chunk, deterministic, numel)
     if smem > limits.dynamic_smem:
         return None
-    # Blocks past the last chunk only take their share of the sentinel fill.
+    # Blocks past the last chunk only take their share of the sentinel fill (and, in
+    # deterministic mode, of the segments to sort: about two a block).
     fill_blocks = min(limits.sm_count, _ceil_div(out_entries, policy.fill_per_block))
-    grid = max(1, _ceil_div(numel, chunk), fill_blocks)
+    sort_blocks = min(limits.sm_count, _ceil_div(num_buckets, 2)) if deterministic else 1
+    grid = max(1, _ceil_div(numel, chunk), fill_blocks, sort_blocks)
     return Launch("cooperative", "cooperative", deterministic, BLOCK, grid=grid, chunk=chunk,
                   smem_place=smem)
 
