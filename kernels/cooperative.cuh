@@ -17,6 +17,10 @@
 // After the row region: hist[nb + 1] | adj[nb] | starts[nb + 1] | value[chunk] | bucket_of_k[chunk]
 #define COOP_ITEMS 8    // routes per thread, at most: chunk <= COOP_ITEMS * blockDim.x
 #define COOP_RESERVE 4  // bucket reservations a thread has in flight at once
+// align_cooperative's DET argument: free order, ordered ranks, or sorted segments.
+#define COOP_FREE 0
+#define COOP_ORDERED 1
+#define COOP_SORTED 2
 
 __device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
   unsigned v;
@@ -38,15 +42,22 @@ __device__ __forceinline__ void blocks_barrier(unsigned* arrivals, unsigned bloc
 }
 
 // One alignment over blocks [0, blocks) of a cooperative launch; this is block `block`.
-// DET (deterministic output): after the stores, a second barrier, then the blocks sort every
-// bucket's segment in place (order_segments, order.cuh), the segment starts already in each
-// block's shared memory. The sort's scratch reuses value and bucket_of_k.
-// After the row region: hist[nb + 1] | adj[nb] | starts[nb + 1] | value[chunk] |
-// bucket_of_k[chunk] (DET: or the sort's scratch, order_scratch_bytes, the larger).
-template <typename IdT, bool DET>
+// Deterministic output (the flat route order in every segment), two ways:
+// DET == COOP_ORDERED: warp w of a block owns a contiguous run of the block's chunk; per-warp
+//   counters rank its routes in order (as in the single block), and the block's place among
+//   blocks comes from a prefix over blocks of every bucket's per-block counts (p.chunk_hist
+//   [blocks, nb]), computed between two barriers, instead of from the order in which the
+//   reservation atomics land. Adds after the staging: warp_counts[32 * stride] ushort,
+//   stride = nb rounded up to even.
+// DET == COOP_SORTED: the free-order kernel, then a second barrier, then the blocks sort every
+//   bucket's segment in place (order_segments, order.cuh), the segment starts already in each
+//   block's shared memory. The sort's scratch takes the place of value and bucket_of_k where
+//   larger (order_scratch_bytes).
+template <typename IdT, int DET>
 __device__ __forceinline__ void align_cooperatively(const Problem& p, int block, int blocks) {
   __shared__ int warp_sums[32];
   const int nb = num_buckets(p), E = p.num_experts;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
   const int tid = block * blockDim.x + threadIdx.x, nthreads = blocks * blockDim.x;
   unsigned char* processed = dynamic_smem;
   int* hist = reinterpret_cast<int*>(dynamic_smem + row_region_bytes(p.rows));
@@ -54,13 +65,17 @@ __device__ __forceinline__ void align_cooperatively(const Problem& p, int block,
   int* starts = adj + nb;
   int* value = starts + nb + 1;
   int* bucket_of_k = value + p.chunk;
+  const int stride = (nb + 1) & ~1;
+  unsigned short* warp_counts = reinterpret_cast<unsigned short*>(bucket_of_k + p.chunk);
   const int c0 = min(p.numel, block * p.chunk), c1 = min(p.numel, c0 + p.chunk);
   MLA_STAMP(3, 0);
 
   Route route[COOP_ITEMS];  // in flight during the set-up below
+  if (DET != COOP_ORDERED) {
 #pragma unroll
-  for (int j = 0; j < COOP_ITEMS; ++j)
-    route[j] = load_route<IdT>(p, c0 + j * blockDim.x + threadIdx.x, c1);
+    for (int j = 0; j < COOP_ITEMS; ++j)
+      route[j] = load_route<IdT>(p, c0 + j * blockDim.x + threadIdx.x, c1);
+  }
   unsigned* ctrl = p.ticket;
   const uint4 words = __ldcg(reinterpret_cast<const uint4*>(ctrl));
   const int parity = (int)(words.x & 1u);
@@ -68,6 +83,8 @@ __device__ __forceinline__ void align_cooperatively(const Problem& p, int block,
   int* stale = p.counts + (1 - parity) * p.count_stride;
   const int stale_len = (int)(parity ? words.y : words.z);
   for (int b = threadIdx.x; b < nb; b += blockDim.x) hist[b] = 0;
+  if (DET == COOP_ORDERED)
+    for (int k = threadIdx.x; k < nwarps * stride; k += blockDim.x) warp_counts[k] = 0;
   mark_processed_rows(p, processed);
   for (int k = tid; k < stale_len; k += nthreads) stale[k] = 0;
   if (tid == 0) {
@@ -80,55 +97,109 @@ __device__ __forceinline__ void align_cooperatively(const Problem& p, int block,
 
   int bucket[COOP_ITEMS], rank[COOP_ITEMS];
   int reserved[COOP_RESERVE];
+  // COOP_ORDERED: warp w's run of the chunk.
+  const Span span = warp_span(c0, c1, warp, nwarps);
+  const int lo = span.lo, hi = span.hi;
+  unsigned short* mine = warp_counts + warp * stride;
+  if (DET != COOP_ORDERED) {
 #pragma unroll
-  for (int j = 0; j < COOP_ITEMS; ++j) {
-    const int i = c0 + j * blockDim.x + threadIdx.x;
-    bucket[j] = bucket_of(p, route[j], processed);
-    if (p.scatter_idx != nullptr && i < c1) p.scatter_idx[i] = bucket[j] >= 0 ? i : -1;
-    rank[j] = claim(hist, bucket[j]);
-  }
-  __syncthreads();
-  MLA_STAMP(3, 2);
-  // Reserve the block's range in each of its buckets. The first COOP_RESERVE buckets of
-  // each thread go out together and come back while the block scans and stages (their
-  // offsets are needed only after the barrier); further ones (more than COOP_RESERVE *
-  // blockDim buckets) wait here, COOP_RESERVE at a time.
-#pragma unroll
-  for (int u = 0; u < COOP_RESERVE; ++u) {
-    const int b = threadIdx.x + u * blockDim.x;
-    const int c = b < nb ? hist[b] : 0;
-    reserved[u] = c != 0 ? atomicAdd(counts + b, c) : 0;
-  }
-  for (int b0 = threadIdx.x + COOP_RESERVE * blockDim.x; b0 < nb;
-       b0 += COOP_RESERVE * blockDim.x) {
-    int more[COOP_RESERVE];
+    for (int j = 0; j < COOP_ITEMS; ++j) {
+      const int i = c0 + j * blockDim.x + threadIdx.x;
+      bucket[j] = bucket_of(p, route[j], processed);
+      if (p.scatter_idx != nullptr && i < c1) p.scatter_idx[i] = bucket[j] >= 0 ? i : -1;
+      rank[j] = claim(hist, bucket[j]);
+    }
+    __syncthreads();
+    MLA_STAMP(3, 2);
+    // Reserve the block's range in each of its buckets. The first COOP_RESERVE buckets of
+    // each thread go out together and come back while the block scans and stages (their
+    // offsets are needed only after the barrier); further ones (more than COOP_RESERVE *
+    // blockDim buckets) wait here, COOP_RESERVE at a time.
 #pragma unroll
     for (int u = 0; u < COOP_RESERVE; ++u) {
-      const int b = b0 + u * blockDim.x;
+      const int b = threadIdx.x + u * blockDim.x;
       const int c = b < nb ? hist[b] : 0;
-      more[u] = c != 0 ? atomicAdd(counts + b, c) : 0;
+      reserved[u] = c != 0 ? atomicAdd(counts + b, c) : 0;
     }
+    for (int b0 = threadIdx.x + COOP_RESERVE * blockDim.x; b0 < nb;
+         b0 += COOP_RESERVE * blockDim.x) {
+      int more[COOP_RESERVE];
 #pragma unroll
-    for (int u = 0; u < COOP_RESERVE; ++u)
-      if (b0 + u * blockDim.x < nb) adj[b0 + u * blockDim.x] = more[u];
+      for (int u = 0; u < COOP_RESERVE; ++u) {
+        const int b = b0 + u * blockDim.x;
+        const int c = b < nb ? hist[b] : 0;
+        more[u] = c != 0 ? atomicAdd(counts + b, c) : 0;
+      }
+#pragma unroll
+      for (int u = 0; u < COOP_RESERVE; ++u)
+        if (b0 + u * blockDim.x < nb) adj[b0 + u * blockDim.x] = more[u];
+    }
+  } else {
+    for_routes<IdT>(p, lo + lane, 32, hi, [&](int i, Route r) {
+      const int b = bucket_of(p, r, processed);
+      if (p.scatter_idx != nullptr && i < hi) p.scatter_idx[i] = b >= 0 ? i : -1;
+      claim(mine, b);  // totals only: order does not matter here
+    });
+    __syncthreads();
+    MLA_STAMP(3, 2);
+    // Per bucket: each warp's counter := routes of the warps before it; hist := block total,
+    // published for the prefix over blocks, and added to the bucket's total.
+    for (int b = threadIdx.x; b < nb; b += blockDim.x) {
+      const int run = prefix_over_warps(warp_counts + b, stride, nwarps);
+      hist[b] = run;
+      p.chunk_hist[(long long)block * nb + b] = run;
+      if (run != 0) atomicAdd(counts + b, run);
+    }
+    __syncthreads();
   }
   // hist := the block's own offsets of each bucket (exclusive), hist[nb] := its route count.
   scan_block(nb, [&](int b) { return hist[b]; }, hist, warp_sums);
+  if (DET != COOP_ORDERED) {
 #pragma unroll
-  for (int j = 0; j < COOP_ITEMS; ++j) {
-    if (bucket[j] < 0) continue;
-    const int k = hist[bucket[j]] + rank[j];
-    value[k] = c0 + j * blockDim.x + threadIdx.x;
-    bucket_of_k[k] = bucket[j];
+    for (int j = 0; j < COOP_ITEMS; ++j) {
+      if (bucket[j] < 0) continue;
+      const int k = hist[bucket[j]] + rank[j];
+      value[k] = c0 + j * blockDim.x + threadIdx.x;
+      bucket_of_k[k] = bucket[j];
+    }
+#pragma unroll
+    for (int u = 0; u < COOP_RESERVE; ++u)
+      if (threadIdx.x + u * blockDim.x < nb) adj[threadIdx.x + u * blockDim.x] = reserved[u];
+  } else {
+    for_routes<IdT>(p, lo + lane, 32, hi, [&](int i, Route r) {
+      const int b = bucket_of(p, r, processed);
+      const int k = claim_in_lane_order(mine, b, bucket_bits(nb));  // rank in the block, flat order
+      if (b >= 0) {
+        value[hist[b] + k] = i;
+        bucket_of_k[hist[b] + k] = b;
+      }
+    });
   }
-#pragma unroll
-  for (int u = 0; u < COOP_RESERVE; ++u)
-    if (threadIdx.x + u * blockDim.x < nb) adj[threadIdx.x + u * blockDim.x] = reserved[u];
   MLA_STAMP(3, 3);
   blocks_barrier(ctrl + 4 + parity, (unsigned)blocks);
+  if (DET == COOP_ORDERED) {
+    MLA_STAMP(3, 7);
+    // Each warp of the grid turns one bucket's column of per-block counts into exclusive
+    // prefixes (in block order), then a second barrier publishes them.
+    for (int b = block * nwarps + warp; b < nb; b += blocks * nwarps) {
+      int carry = 0;
+      for (int j0 = 0; j0 < blocks; j0 += 32) {
+        const int j = j0 + lane;
+        const long long at = (long long)j * nb + b;
+        const int v = j < blocks ? __ldcg(p.chunk_hist + at) : 0;
+        const int x = warp_inclusive_sum(v);
+        if (j < blocks) p.chunk_hist[at] = carry + x - v;
+        carry += __shfl_sync(MLA_FULL_MASK, x, 31);
+      }
+    }
+    blocks_barrier(ctrl + 4 + parity, 2u * (unsigned)blocks);
+  }
   MLA_STAMP(3, 4);
 
-  for (int b = threadIdx.x; b < nb; b += blockDim.x) starts[b] = __ldcg(counts + b);
+  for (int b = threadIdx.x; b < nb; b += blockDim.x) {
+    starts[b] = __ldcg(counts + b);
+    if (DET == COOP_ORDERED && hist[b + 1] != hist[b]) adj[b] = __ldcg(p.chunk_hist + (long long)block * nb + b);
+  }
   __syncthreads();
   scan_padded_counts(p, nb, [&](int b) { return starts[b]; }, starts, warp_sums);
   if (block == 0) {
@@ -146,10 +217,9 @@ __device__ __forceinline__ void align_cooperatively(const Problem& p, int block,
   for (int k = threadIdx.x; k < hist[nb]; k += blockDim.x)
     p.sorted_ids[adj[bucket_of_k[k]] + k] = value[k];
   write_expert_ids(p, processed, starts, tid, nthreads);
-  if (DET) {
+  if (DET == COOP_SORTED) {
     MLA_STAMP(3, 6);
     blocks_barrier(ctrl + 4 + parity, 2u * (unsigned)blocks);
-    MLA_STAMP(3, 7);
     order_segments(p, starts, block, blocks, value, warp_sums);
 #ifdef MLA_PROBE
     __syncthreads();
@@ -158,13 +228,13 @@ __device__ __forceinline__ void align_cooperatively(const Problem& p, int block,
   }
 #ifdef MLA_PROBE
   __syncthreads();
-  if (!DET) MLA_STAMP(3, 6);
+  if (DET != COOP_SORTED) MLA_STAMP(3, 6);
 #endif
 }
 
 // (1024, 1): one block a SM by design; without the minimum, NVRTC 13.0 gave an instance 32
 // registers and spilled.
-template <typename IdT, bool DET>
+template <typename IdT, int DET>
 __global__ void __launch_bounds__(1024, 1) align_cooperative(const Problem p) {
   align_cooperatively<IdT, DET>(p, blockIdx.x, gridDim.x);
 }
@@ -175,6 +245,6 @@ template <typename IdT>
 __global__ void __launch_bounds__(1024, 1) align_cooperative_pair(const Problem first,
                                                                const Problem second) {
   const int split = first.coop_blocks;
-  if ((int)blockIdx.x < split) align_cooperatively<IdT, false>(first, blockIdx.x, split);
-  else align_cooperatively<IdT, false>(second, blockIdx.x - split, gridDim.x - split);
+  if ((int)blockIdx.x < split) align_cooperatively<IdT, COOP_FREE>(first, blockIdx.x, split);
+  else align_cooperatively<IdT, COOP_FREE>(second, blockIdx.x - split, gridDim.x - split);
 }

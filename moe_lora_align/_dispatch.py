@@ -55,10 +55,13 @@ class AlignPolicy:
     cluster_max_buckets: int = 1024
     cluster_routes_per_thread: int = 2
     cluster_min_block: int = 256
-    # Deterministic calls that would run the count + place kernels run them without ordered
-    # ranks, then align_order sorts each bucket's segment (False: the kernels' own ordered
-    # ranking, a [chunks, buckets] prefix). The cooperative kernel always sorts.
+    # Deterministic output by sorting each bucket's segment after the free-order kernels:
+    # count + place then align_order, always; the cooperative kernel (after a second
+    # barrier) from this many buckets or routes. Else (or False) the kernels rank in flat
+    # order themselves, with a [chunks, buckets] prefix.
     sort_for_determinism: bool = True
+    sort_min_buckets: int = 1024
+    sort_min_routes: int = 131072
     # Multi-block launches.
     fill_per_block: int = 8192           # sentinel entries a count block fills, about
     chunk_matrix_budget: int = 1 << 18   # entries of the deterministic [chunks, buckets] matrix
@@ -115,8 +118,10 @@ class Launch:
     starts_in_smem: bool = False  # place kernel copies the segment starts to shared memory
     stage_output: bool = False    # place kernel stages routes for coalesced stores (shared)
     tiny: bool = False            # single: align_tiny (a thread per bucket), not align_single
+    sorted: bool = False      # cooperative, deterministic: sorts every segment after a
+                              #   second barrier (else ranks in flat order)
     order_grid: int = 0       # > 0: then align_order, this many blocks, sorts every segment
-                              #   (deterministic output from a non-deterministic kernel)
+                              #   (deterministic output from the free-order count + place)
     smem_order: int = 0       # dynamic shared bytes of align_order (its bitmap)
 
     @property
@@ -175,12 +180,15 @@ def smem_place(mode: int, num_buckets: int, rows: int, *, range_width: int = 0,
 
 
 def smem_cooperative(num_buckets: int, rows: int, chunk: int, deterministic: bool,
-                     numel: int = 0) -> int:
+                     numel: int = 0, sort: bool = False) -> int:
     """align_cooperative: hist[nb + 1], adj[nb], starts[nb + 1], then value[chunk] and
-    bucket_of_k[chunk], or (deterministic) the segment sort's scratch where larger."""
+    bucket_of_k[chunk]; deterministic: with ``sort`` the segment sort's scratch in their
+    place where larger, else warp_counts[32 * even(nb)] ushort after them."""
     staging = 8 * chunk
-    if deterministic:
+    if deterministic and sort:
         staging = max(staging, order_scratch_bytes(numel))
+    elif deterministic:
+        staging += 2 * (BLOCK // 32) * _even(num_buckets)
     return row_region_bytes(rows) + 4 * (3 * num_buckets + 2) + staging
 
 
@@ -291,29 +299,45 @@ def _ceil_div(a, b):
     return -(-a // b)
 
 
+def sorts_in_kernel(numel: int, num_buckets: int, policy: AlignPolicy) -> bool:
+    """The policy's choice for a deterministic cooperative launch: sort every segment after
+    a second barrier (True), or rank in flat order (False)."""
+    return policy.sort_for_determinism and (num_buckets >= policy.sort_min_buckets
+                                            or numel >= policy.sort_min_routes)
+
+
 def _cooperative(numel, num_buckets, rows, limits, out_entries, deterministic=False,
                  policy: AlignPolicy = DEFAULT_POLICY):
     """The one-launch multi-block kernel's geometry, or None where it cannot run: no
     cooperative launch, more routes than the resident blocks hold, or its shared memory
     (histogram, reserved offsets, starts: 12 bytes a bucket; 8 bytes a staged route; in
-    deterministic mode the segment sort's scratch where larger) does not fit. At most one block
-    per SM, so every block is resident whatever the occupancy."""
+    deterministic mode the segment sort's scratch where larger, or 64 bytes a bucket of
+    per-warp counters for ordered ranks) does not fit. Deterministic: the way the policy
+    prefers (``sorts_in_kernel``), else the other where only it fits. At most one block per
+    SM, so every block is resident whatever the occupancy."""
     if not limits.cooperative:
         return None
     per_sm = _ceil_div(max(numel, 1), limits.sm_count)
     chunk = max(BLOCK, _ceil_div(per_sm, BLOCK) * BLOCK)
     if chunk > COOP_ITEMS * BLOCK:
         return None
-    smem = smem_cooperative(num_buckets, rows, chunk, deterministic, numel)
-    if smem > limits.dynamic_smem:
+    ways = [False]
+    if deterministic:
+        prefer = sorts_in_kernel(numel, num_buckets, policy)
+        ways = [prefer, not prefer]
+    for sort in ways:
+        smem = smem_cooperative(num_buckets, rows, chunk, deterministic, numel, sort)
+        if smem <= limits.dynamic_smem:
+            break
+    else:
         return None
-    # Blocks past the last chunk only take their share of the sentinel fill (and, in
-    # deterministic mode, of the segments to sort: about two a block).
+    # Blocks past the last chunk only take their share of the sentinel fill (and of the
+    # segments to sort: about two a block).
     fill_blocks = min(limits.sm_count, _ceil_div(out_entries, policy.fill_per_block))
-    sort_blocks = min(limits.sm_count, _ceil_div(num_buckets, 2)) if deterministic else 1
+    sort_blocks = min(limits.sm_count, _ceil_div(num_buckets, 2)) if sort else 1
     grid = max(1, _ceil_div(numel, chunk), fill_blocks, sort_blocks)
     return Launch("cooperative", "cooperative", deterministic, BLOCK, grid=grid, chunk=chunk,
-                  smem_place=smem)
+                  smem_place=smem, sorted=sort)
 
 
 def cluster_block_threads(chunk: int, num_buckets: int,
@@ -365,10 +389,10 @@ def choose_launch(numel: int, num_buckets: int, rows: int, limits: DeviceLimits,
     cluster between the policy's ``cluster_min_routes`` and ``cluster_max_routes`` where the
     device has clusters, else one block at decode sizes, else the cooperative launch where it
     fits, else count + place. Deterministic calls: one block ranks in flat order; the
-    cooperative kernel sorts each segment inside its launch after a second barrier; count +
-    place is followed by ``align_order``, which sorts each segment
-    (``policy.sort_for_determinism``; where its shared memory does not fit, or with the
-    policy off, the count + place kernels rank in flat order themselves).
+    cooperative kernel sorts each segment inside its launch after a second barrier, or ranks
+    in flat order (``sorts_in_kernel``); count + place is followed by ``align_order``, which
+    sorts each segment (``policy.sort_for_determinism``; where its shared memory does not
+    fit, or with the policy off, the count + place kernels rank in flat order themselves).
     """
     if variant is not None and variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS} or None, got {variant!r}")
@@ -475,8 +499,8 @@ def _forced_cooperative(numel, num_buckets, rows, limits, deterministic, out_ent
                    f"hold ({COOP_ITEMS * BLOCK} each)")
         else:
             why = (f"its shared memory for {num_buckets} buckets"
-                   + (" (with the segment sort's scratch: deterministic)" if deterministic
-                      else "")
+                   + (" (deterministic: with the segment sort's scratch or per-warp "
+                      "counters)" if deterministic else "")
                    + f" exceeds the {limits.dynamic_smem} bytes a block may have")
         raise ValueError(f"variant='cooperative' cannot run this alignment: {why}; use "
                          "variant='shared' or 'global', or leave variant unset")
@@ -635,7 +659,8 @@ def kernel_demands(launch, numel: int, sides) -> list:
                order_scratch_bytes(numel))] if launch.order_grid else [])
     if launch.kind == "cooperative":
         return [("cooperative", launch.grid, launch.block, launch.smem_place,
-                 smem_cooperative(nb, rows, launch.chunk, launch.deterministic, numel))]
+                 smem_cooperative(nb, rows, launch.chunk, launch.deterministic, numel,
+                                  launch.sorted))]
     staged = launch.chunk if launch.stage_output else 0
     return [("count", launch.count_grid, launch.block, launch.smem_count,
              smem_count(launch.mode, nb, rows, launch.range_width)),

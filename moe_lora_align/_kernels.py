@@ -102,10 +102,10 @@ def kernel_names(dtype) -> dict:
         d = "true" if det else "false"
         names[("single", det)] = f"align_single<{t}, {d}>"
         names[("pair", det)] = f"align_pair<{t}, {d}>"
-        names[("cooperative", det)] = f"align_cooperative<{t}, {d}>"
         names[("tiny", det)] = f"align_tiny<{t}, {d}>"
         names[("tiny_pair", det)] = f"align_tiny_pair<{t}, {d}>"
-    for mode in (0, 1, 2):
+    for mode in (0, 1, 2):  # MODE_*; COOP_FREE, COOP_ORDERED, COOP_SORTED
+        names[("cooperative", mode)] = f"align_cooperative<{t}, {mode}>"
         names[("count", mode)] = f"align_count<{t}, {mode}>"
         names[("place", mode)] = f"align_place<{t}, {mode}>"
     names[("cooperative_pair", 0)] = f"align_cooperative_pair<{t}>"

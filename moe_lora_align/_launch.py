@@ -315,6 +315,8 @@ def workspace_needs(launch: _dispatch.Launch, num_buckets: int):
     # Per-chunk offsets of every bucket: deterministic and shared multi-block modes.
     matrix = (launch.grid // launch.ranges) * num_buckets if launch.mode in (0, 2) and \
         launch.kind == "multi" else 0
+    if launch.kind == "cooperative" and launch.deterministic and not launch.sorted:
+        matrix = launch.grid * num_buckets  # per-block counts, prefixed between two barriers
     return num_buckets, matrix
 
 
@@ -351,7 +353,8 @@ def launch_one(job: Job, launch: _dispatch.Launch, ws: Workspace, stream, device
         key = ("tiny" if launch.tiny else "single", launch.deterministic)
         launch_kernel(ks, key, launch.grid, launch.block, launch.smem_single, stream, job)
     elif launch.kind == "cooperative":
-        launch_kernel(ks, ("cooperative", launch.deterministic), launch.grid, launch.block,
+        mode = 2 if launch.sorted else int(launch.deterministic)  # COOP_FREE / _ORDERED / _SORTED
+        launch_kernel(ks, ("cooperative", mode), launch.grid, launch.block,
                       launch.smem_place, stream, job, cooperative=True)
     elif launch.kind == "cluster":
         launch_kernel(ks, ("cluster", False), launch.grid, launch.block,

@@ -244,14 +244,18 @@ def test_scratch_bytes_formula():
     h200 = mla._dispatch.DeviceLimits.h200()
     # decode: one block, a workspace of 1 bucket's worth unused, b = 256
     assert mla.scratch_bytes(8, 256, 64, limits=h200) == 4 * (5 * 256 + 10 + 1)
-    # deterministic prefill: the cooperative kernel, which sorts in its launch: no matrix
-    assert mla.scratch_bytes(32768, 256, 64, deterministic=True, limits=h200) == \
-        4 * (5 * 256 + 10 + 1)
-    # count + place ranking in order: per-chunk counts, chunks * b
+    # deterministic prefill, sorted inside the cooperative launch: no matrix
+    sort = dataclasses.replace(mla.AlignPolicy(), sort_min_routes=0)
+    assert mla.scratch_bytes(32768, 256, 64, deterministic=True, limits=h200,
+                             policy=sort) == 4 * (5 * 256 + 10 + 1)
+    # ranked in flat order (the cooperative kernel's ordered ranks, or count + place's):
+    # per-block or per-chunk counts, blocks * b
     no_coop = dataclasses.replace(h200, cooperative=False)
     ordered = dataclasses.replace(mla.AlignPolicy(), sort_for_determinism=False)
-    launch = mla._dispatch.choose_launch(32768, 256, 1, no_coop, deterministic=True,
-                                         out_entries=32768 * 2 + 256 * 64, policy=ordered)
-    assert launch.kind == "multi" and launch.deterministic
-    assert mla.scratch_bytes(32768, 256, 64, deterministic=True, limits=no_coop,
-                             policy=ordered) == 4 * (5 * 256 + 10 + launch.grid * 256)
+    for limits in (h200, no_coop):
+        launch = mla._dispatch.choose_launch(32768, 256, 1, limits, deterministic=True,
+                                             out_entries=32768 * 2 + 256 * 64, policy=ordered)
+        assert launch.deterministic and not launch.sorted and not launch.order_grid
+        chunks = launch.grid // launch.ranges
+        assert mla.scratch_bytes(32768, 256, 64, deterministic=True, limits=limits,
+                                 policy=ordered) == 4 * (5 * 256 + 10 + chunks * 256)

@@ -95,7 +95,7 @@ def test_shared_override_that_cannot_fit_is_a_clear_error():
     (1024, 64, NO_COOP, False, "cannot issue cooperative launches"),
     (132 * 8192 + 1, 64, H200, False, "more than its 132 resident blocks"),
     (1024, 65536, H200, False, "shared memory for 65536 buckets"),
-    (132 * 8192, 16384, H200, True, "segment sort's scratch: deterministic"),
+    (132 * 8192, 16384, H200, True, "segment sort's scratch or per-warp counters"),
 ])
 def test_cooperative_override_that_cannot_run_is_a_clear_error(numel, buckets, limits, det, why):
     with pytest.raises(ValueError, match=why):
@@ -109,7 +109,8 @@ def test_deterministic_calls_sort_after_the_fast_kernels():
     sort's shared memory fits; one block ranks in order."""
     coop = d.choose_launch(65536 * 8, 256, 1, H200, deterministic=True)
     fast = d.choose_launch(65536 * 8, 256, 1, H200)
-    assert coop.kind == "cooperative" and coop.deterministic and not coop.order_grid
+    assert coop.kind == "cooperative" and coop.deterministic and coop.sorted
+    assert not coop.order_grid
     assert coop.launches == 1 and coop.grid == fast.grid
     assert coop.smem_place == fast.smem_place - 8 * fast.chunk + max(
         8 * fast.chunk, d.order_scratch_bytes(65536 * 8))
@@ -126,6 +127,16 @@ def test_deterministic_calls_sort_after_the_fast_kernels():
                                           smem_order=d.order_scratch_bytes(numel))
         assert det.launches == fast.launches + 1 and det.deterministic_output
         assert det.order_grid * (d.BLOCK // 32) >= nb  # a warp a bucket
+    # Fewer routes and buckets than the policy's sorting sizes: the cooperative kernel ranks
+    # in flat order (its per-block counts need a matrix), unless only the sort fits.
+    mid = d.choose_launch(4096 * 8, 256, 1, H200, deterministic=True)
+    assert mid.kind == "cooperative" and mid.deterministic and not mid.sorted
+    assert d.choose_launch(4096 * 8, 256, 1, H200, deterministic=True, policy=dataclasses.replace(
+        d.DEFAULT_POLICY, sort_min_routes=4096 * 8)).sorted
+    assert d.choose_launch(65536 * 8, 256, 1, H200, deterministic=True, policy=ORDERED).sorted \
+        is False
+    assert d.choose_launch(16384 * 8, 16 * 256, 16, H200, deterministic=True,
+                           policy=ORDERED).sorted  # ordered ranks' counters do not fit
     # Decode: one block ranks in order.
     assert d.choose_launch(64, 256, 1, H200, deterministic=True).kind == "single"
     # Past the sort's shared memory: count + place rank in order.

@@ -453,6 +453,7 @@ def test_cluster_pair_is_fused(E, T, L):
 ORDER_MAX = mla._dispatch.ORDER_WARP_MAX
 DIGITS_MAX = mla._dispatch.ORDER_DIGITS_MAX
 ORDERED = mla.AlignPolicy(sort_for_determinism=False)
+SORTED = mla.AlignPolicy(sort_min_routes=0)  # the cooperative kernel sorts at every size
 
 
 def _one_hot_expert(count, numel, E, hot, seed):
@@ -494,10 +495,11 @@ def _exact(ids, B, E, variant, policy):
 @pytest.mark.parametrize("variant", [None, "shared", "global", "cooperative"])
 def test_order_segment_lengths(variant, count, B, how):
     ids = _one_hot_expert(count, 32768, 256, hot=5, seed=count + B)
-    launch = _exact(ids, B, 256, variant, ORDERED if how == "ordered" else None)
+    launch = _exact(ids, B, 256, variant, ORDERED if how == "ordered" else SORTED)
     # the cooperative kernel sorts in its launch; count + place sort after, unless ordered
     assert launch.kind == ("multi" if variant in ("shared", "global") else "cooperative")
     assert bool(launch.order_grid) == (launch.kind == "multi" and how == "sorted")
+    assert launch.sorted == (launch.kind == "cooperative" and how == "sorted")
 
 
 @pytest.mark.parametrize("dense,spread", [(2048, 1000), (4096, 0), (DIGITS_MAX, 1),
@@ -510,8 +512,8 @@ def test_order_clustered_values(dense, spread):
     ids = rng.integers(1, 64, size=numel).astype(np.int32)
     ids[1000:1000 + dense] = 0
     ids[rng.choice(np.arange(1000 + dense, numel), size=spread, replace=False)] = 0
-    _exact(ids.reshape(-1, 1), 16, 64, None, None)
-    _exact(ids.reshape(-1, 1), 16, 64, "shared", None)
+    assert _exact(ids.reshape(-1, 1), 16, 64, None, SORTED).sorted
+    assert _exact(ids.reshape(-1, 1), 16, 64, "shared", None).order_grid
 
 
 @pytest.mark.parametrize("extra", [0, 1])
@@ -531,7 +533,7 @@ def test_order_both_sides_of_the_largest_bitmap(extra):
 @pytest.mark.parametrize("variant", [None, "shared", "global", "cooperative"])
 @pytest.mark.parametrize("E,T,rows", [(256, 4096, 16), (64, 16384, 4), (8, 2048, 40)])
 def test_order_lora(E, T, rows, variant, how):
-    policy = ORDERED if how == "ordered" else None
+    policy = ORDERED if how == "ordered" else SORTED
     if variant is not None:
         _skip_unless_runs(variant, True, T * 8, rows * E, rows, policy)
     _lora_case(E, T, variant, True, salt=60, max_loras=rows, topk=8, policy=policy)
