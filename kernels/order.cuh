@@ -123,25 +123,32 @@ __device__ void sort_by_digits(int* seg, const int (&v)[ORDER_BLOCK_ITEMS], int 
 }
 
 // Sort the routes at the front of seg[0, n) (n more than ORDER_DIGITS_MAX; the sentinels
-// stay behind them) by the whole block, through the zeroed bitmap `bits` of the numel route indices and its `summary` (a bit
-// a word of it), both zeroed again on the way out. Each warp reads back a contiguous run of
-// the bitmap 32 words (one summary word) at a time, skipping empty ones. Every thread calls it.
+// stay behind them) by the whole block, through the zeroed bitmap `bits` of the numel route
+// indices (zeroed again on the way out) and its `summary` (a bit a word of it). Each warp
+// reads back a contiguous run of the bitmap 32 words (one summary word) at a time, skipping
+// empty ones. Every thread calls it.
 __device__ void sort_by_bitmap(const Problem& p, int* seg, int n, unsigned* bits,
                                unsigned* summary, int* warp_sums) {
   for (int i = threadIdx.x; i < n; i += blockDim.x) {
     const int v = __ldcg(seg + i);
-    if (v >= p.numel) continue;
-    atomicOr(bits + (v >> 5), 1u << (v & 31));
-    atomicOr(summary + (v >> 10), 1u << ((v >> 5) & 31));
+    if (v < p.numel) atomicOr(bits + (v >> 5), 1u << (v & 31));
   }
   __syncthreads();  // every route read before any is rewritten
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   const int rounds = (p.numel + 1023) >> 10;
   const int per = (rounds + nwarps - 1) / nwarps;
   const int r0 = min(rounds, warp * per), r1 = min(rounds, r0 + per);
+  // The warp counts its rounds' routes and notes which of their words hold any (a summary
+  // word a round, written by the warp that reads it; built here, not by an atomic a route:
+  // a segment's routes crowd a few summary words, and those atomics serialised).
   int count = 0;
-  for (int r = r0; r < r1; ++r)
-    if (summary[r] != 0u) count += __popc(bits[(r << 5) + lane]);
+  for (int r = r0; r < r1; ++r) {
+    const unsigned word = bits[(r << 5) + lane];
+    count += __popc(word);
+    const unsigned nonzero = __ballot_sync(MLA_FULL_MASK, word != 0u);
+    if (lane == 0) summary[r] = nonzero;
+  }
+  __syncwarp();
   int total;
   int at = scan_threads(count, warp_sums, &total);
   at = __shfl_sync(MLA_FULL_MASK, at, 0);  // the warp's first position
@@ -154,9 +161,7 @@ __device__ void sort_by_bitmap(const Problem& p, int* seg, int n, unsigned* bits
     bits[(r << 5) + lane] = 0u;
     at += __shfl_sync(MLA_FULL_MASK, x, 31);
   }
-  __syncwarp();
-  for (int r = r0 + lane; r < r1; r += 32) summary[r] = 0u;
-  __syncthreads();  // zeroed again, and warp_sums free, before the next segment
+  __syncthreads();  // the bitmap zeroed again, and warp_sums free, before the next segment
 }
 
 // Sort the segment of every bucket dealt to `block` of `blocks`: in rounds, warp w takes
@@ -212,7 +217,7 @@ __device__ void order_segments(const Problem& p, const int* starts, int block, i
       } else {
         __syncthreads();  // the previous segment done with the shared memory
         if (!zeroed) {
-          const int words = 33 * ((p.numel + 1023) >> 10);
+          const int words = 32 * ((p.numel + 1023) >> 10);  // the summary needs no zeros
           for (int w = threadIdx.x; w < words; w += blockDim.x) bits[w] = 0u;
           __syncthreads();
           zeroed = true;
