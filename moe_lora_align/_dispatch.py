@@ -55,13 +55,12 @@ class AlignPolicy:
     cluster_max_buckets: int = 1024
     cluster_routes_per_thread: int = 2
     cluster_min_block: int = 256
-    # Deterministic output by sorting each bucket's segment after the free-order kernels:
-    # count + place then align_order, always; the cooperative kernel (after a second
-    # barrier) from this many buckets or routes. Else (or False) the kernels rank in flat
-    # order themselves, with a [chunks, buckets] prefix.
+    # Deterministic output from this many buckets (LoRA sizes) by sorting each bucket's
+    # segment after the free-order kernels: the cooperative kernel after a second barrier,
+    # count + place then align_order. Below (or False) the kernels rank in flat order
+    # themselves, with a [chunks, buckets] prefix.
     sort_for_determinism: bool = True
-    sort_min_buckets: int = 1024
-    sort_min_routes: int = 131072
+    sort_min_buckets: int = 4096
     # Multi-block launches.
     fill_per_block: int = 8192           # sentinel entries a count block fills, about
     chunk_matrix_budget: int = 1 << 18   # entries of the deterministic [chunks, buckets] matrix
@@ -299,11 +298,10 @@ def _ceil_div(a, b):
     return -(-a // b)
 
 
-def sorts_in_kernel(numel: int, num_buckets: int, policy: AlignPolicy) -> bool:
-    """The policy's choice for a deterministic cooperative launch: sort every segment after
-    a second barrier (True), or rank in flat order (False)."""
-    return policy.sort_for_determinism and (num_buckets >= policy.sort_min_buckets
-                                            or numel >= policy.sort_min_routes)
+def sorts_segments(num_buckets: int, policy: AlignPolicy) -> bool:
+    """The policy's way to deterministic output for multi-block launches: sort every
+    segment after the free-order kernels (True), or rank in flat order (False)."""
+    return policy.sort_for_determinism and num_buckets >= policy.sort_min_buckets
 
 
 def _cooperative(numel, num_buckets, rows, limits, out_entries, deterministic=False,
@@ -313,7 +311,7 @@ def _cooperative(numel, num_buckets, rows, limits, out_entries, deterministic=Fa
     (histogram, reserved offsets, starts: 12 bytes a bucket; 8 bytes a staged route; in
     deterministic mode the segment sort's scratch where larger, or 64 bytes a bucket of
     per-warp counters for ordered ranks) does not fit. Deterministic: the way the policy
-    prefers (``sorts_in_kernel``), else the other where only it fits. At most one block per
+    prefers (``sorts_segments``), else the other where only it fits. At most one block per
     SM, so every block is resident whatever the occupancy."""
     if not limits.cooperative:
         return None
@@ -323,7 +321,7 @@ def _cooperative(numel, num_buckets, rows, limits, out_entries, deterministic=Fa
         return None
     ways = [False]
     if deterministic:
-        prefer = sorts_in_kernel(numel, num_buckets, policy)
+        prefer = sorts_segments(num_buckets, policy)
         ways = [prefer, not prefer]
     for sort in ways:
         smem = smem_cooperative(num_buckets, rows, chunk, deterministic, numel, sort)
@@ -388,15 +386,15 @@ def choose_launch(numel: int, num_buckets: int, rows: int, limits: DeviceLimits,
     cannot run these sizes raises ``ValueError``. Left to itself the dispatcher picks one
     cluster between the policy's ``cluster_min_routes`` and ``cluster_max_routes`` where the
     device has clusters, else one block at decode sizes, else the cooperative launch where it
-    fits, else count + place. Deterministic calls: one block ranks in flat order; the
-    cooperative kernel sorts each segment inside its launch after a second barrier, or ranks
-    in flat order (``sorts_in_kernel``); count + place is followed by ``align_order``, which
-    sorts each segment (``policy.sort_for_determinism``; where its shared memory does not
-    fit, or with the policy off, the count + place kernels rank in flat order themselves).
+    fits, else count + place. Deterministic calls: one block ranks in flat order; from
+    ``policy.sort_min_buckets`` buckets (``sorts_segments``) the cooperative kernel sorts
+    each segment inside its launch after a second barrier and count + place is followed by
+    ``align_order``, which sorts each segment (where its shared memory fits); below that the
+    multi-block kernels rank in flat order themselves.
     """
     if variant is not None and variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS} or None, got {variant!r}")
-    if deterministic and policy.sort_for_determinism and variant != "cluster":
+    if deterministic and sorts_segments(num_buckets, policy) and variant != "cluster":
         # Where the non-deterministic pick (clusters aside) is count + place: it, then
         # align_order.
         try:

@@ -327,8 +327,8 @@ def scratch_bytes(numel: int, num_experts: int, block_size: int, *, max_loras=No
     """Device memory, in bytes, that one base (or, with ``max_loras``, LoRA) alignment of
     these sizes needs beyond its outputs: the workspace of the stream it runs on,
     ``4 * (5*b + 10 + max(1, m))`` for ``b`` buckets (``max_loras * num_experts``) and ``m``
-    per-chunk offsets (``chunks * b`` for the shared-histogram and deterministic count + place
-    launches and the deterministic cooperative launch, else 0). A workspace is kept per
+    per-chunk offsets (``chunks * b`` for the shared-histogram and ordered-rank deterministic
+    count + place launches and the ordered-rank deterministic cooperative launch, else 0). A workspace is kept per
     (device, stream) and grows to the largest call made on that stream; an ``AlignPlan``
     holds its own two. ``limits``: the device's (default: those of GPU ``device``)."""
     from ._sizes import buffer_sizes

@@ -245,7 +245,7 @@ def test_scratch_bytes_formula():
     # decode: one block, a workspace of 1 bucket's worth unused, b = 256
     assert mla.scratch_bytes(8, 256, 64, limits=h200) == 4 * (5 * 256 + 10 + 1)
     # deterministic prefill, sorted inside the cooperative launch: no matrix
-    sort = dataclasses.replace(mla.AlignPolicy(), sort_min_routes=0)
+    sort = dataclasses.replace(mla.AlignPolicy(), sort_min_buckets=0)
     assert mla.scratch_bytes(32768, 256, 64, deterministic=True, limits=h200,
                              policy=sort) == 4 * (5 * 256 + 10 + 1)
     # ranked in flat order (the cooperative kernel's ordered ranks, or count + place's):

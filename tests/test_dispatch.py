@@ -41,7 +41,7 @@ ORDERED = dataclasses.replace(d.DEFAULT_POLICY, sort_for_determinism=False)
     (16384 * 8, 16 * 256, 16, H200, True, None, ("cooperative", "cooperative", 1)),
     (65536 * 8, 256, 1, H200, True, None, ("cooperative", "cooperative", 1)),
     (16384 * 8, 4 * 512, 4, H200, True, None, ("cooperative", "cooperative", 1)),
-    (65536 * 8, 256, 1, NO_COOP, True, None, ("shared", "multi", 3)),
+    (65536 * 8, 256, 1, NO_COOP, True, None, ("shared", "multi", 2)),
     # too many buckets for shared memory: the global variant, whatever the size
     (8, 65536, 16, H200, False, None, ("global", "multi", 2)),
     (65536 * 8, 65536, 16, H200, False, None, ("global", "multi", 2)),
@@ -49,7 +49,7 @@ ORDERED = dataclasses.replace(d.DEFAULT_POLICY, sort_for_determinism=False)
     (2048, 16 * 1024, 16, SMALL, False, None, ("global", "multi", 2)),
     # explicit variants
     (8, 64, 1, H200, False, "global", ("global", "multi", 2)),
-    (2048, 256, 1, H200, True, "global", ("global", "multi", 3)),
+    (2048, 256, 1, H200, True, "global", ("global", "multi", 2)),
     (65536, 1024, 1, H200, False, "shared", ("shared", "multi", 2)),
     (8, 64, 1, H200, False, "cooperative", ("cooperative", "cooperative", 1)),
     (0, 64, 1, H200, False, "cooperative", ("cooperative", "cooperative", 1)),
@@ -104,49 +104,46 @@ def test_cooperative_override_that_cannot_run_is_a_clear_error(numel, buckets, l
 
 
 def test_deterministic_calls_sort_after_the_fast_kernels():
-    """Deterministic: the cooperative kernel sorts each segment inside its launch (its
-    scratch in the staging's place); count + place is followed by align_order where the
-    sort's shared memory fits; one block ranks in order."""
-    coop = d.choose_launch(65536 * 8, 256, 1, H200, deterministic=True)
-    fast = d.choose_launch(65536 * 8, 256, 1, H200)
-    assert coop.kind == "cooperative" and coop.deterministic and coop.sorted
-    assert not coop.order_grid
-    assert coop.launches == 1 and coop.grid == fast.grid
-    assert coop.smem_place == fast.smem_place - 8 * fast.chunk + max(
-        8 * fast.chunk, d.order_scratch_bytes(65536 * 8))
-    # LoRA, 16 x 256 buckets: the sort needs no per-warp counters, so the cooperative
-    # kernel runs it (the ordered ranks did not fit).
+    """Deterministic, from the policy's sort_min_buckets (LoRA sizes): the cooperative
+    kernel sorts each segment inside its launch (its scratch in the staging's place), count
+    + place is followed by align_order where the sort's shared memory fits. Below it the
+    multi-block kernels rank in flat order; one block always does."""
+    SORT = dataclasses.replace(d.DEFAULT_POLICY, sort_min_buckets=0)
     lora = d.choose_launch(16384 * 8, 16 * 256, 16, H200, deterministic=True)
-    assert lora.kind == "cooperative" and lora.deterministic
-    for numel, nb, rows, limits, variant in ((16384 * 8, 16 * 256, 16, NO_COOP, None),
-                                             (8192, 256, 1, H200, "shared"),
-                                             (2048, 256, 1, H200, "global")):
-        fast = d.choose_launch(numel, nb, rows, limits, variant=variant)
-        det = d.choose_launch(numel, nb, rows, limits, variant=variant, deterministic=True)
+    fast = d.choose_launch(16384 * 8, 16 * 256, 16, H200)
+    assert lora.kind == "cooperative" and lora.deterministic and lora.sorted
+    assert not lora.order_grid and lora.launches == 1
+    assert lora.smem_place == fast.smem_place - 8 * fast.chunk + max(
+        8 * fast.chunk, d.order_scratch_bytes(16384 * 8))
+    base = d.choose_launch(65536 * 8, 256, 1, H200, deterministic=True)
+    assert base.kind == "cooperative" and base.deterministic and not base.sorted
+    assert d.choose_launch(65536 * 8, 256, 1, H200, deterministic=True, policy=SORT).sorted
+    for numel, nb, rows, limits, variant, policy in (
+            (16384 * 8, 16 * 256, 16, NO_COOP, None, d.DEFAULT_POLICY),
+            (8192, 256, 1, H200, "shared", SORT), (2048, 256, 1, H200, "global", SORT)):
+        fast = d.choose_launch(numel, nb, rows, limits, variant=variant, policy=policy)
+        det = d.choose_launch(numel, nb, rows, limits, variant=variant, deterministic=True,
+                              policy=policy)
         assert det == dataclasses.replace(fast, order_grid=d.order_grid(nb, limits),
                                           smem_order=d.order_scratch_bytes(numel))
         assert det.launches == fast.launches + 1 and det.deterministic_output
         assert det.order_grid * (d.BLOCK // 32) >= nb  # a warp a bucket
-    # Fewer routes and buckets than the policy's sorting sizes: the cooperative kernel ranks
-    # in flat order (its per-block counts need a matrix), unless only the sort fits.
-    mid = d.choose_launch(4096 * 8, 256, 1, H200, deterministic=True)
-    assert mid.kind == "cooperative" and mid.deterministic and not mid.sorted
-    assert d.choose_launch(4096 * 8, 256, 1, H200, deterministic=True, policy=dataclasses.replace(
-        d.DEFAULT_POLICY, sort_min_routes=4096 * 8)).sorted
-    assert d.choose_launch(65536 * 8, 256, 1, H200, deterministic=True, policy=ORDERED).sorted \
-        is False
+        assert not d.choose_launch(numel, nb, rows, limits, variant=variant,
+                                   deterministic=True, policy=ORDERED).order_grid
+    # Below sort_min_buckets: count + place rank in order.
+    launch = d.choose_launch(65536 * 8, 256, 1, NO_COOP, deterministic=True)
+    assert launch.kind == "multi" and launch.deterministic and not launch.order_grid
+    # Sorting off, but the ordered ranks' per-warp counters do not fit: the cooperative
+    # kernel sorts.
     assert d.choose_launch(16384 * 8, 16 * 256, 16, H200, deterministic=True,
-                           policy=ORDERED).sorted  # ordered ranks' counters do not fit
+                           policy=ORDERED).sorted
     # Decode: one block ranks in order.
-    assert d.choose_launch(64, 256, 1, H200, deterministic=True).kind == "single"
+    assert d.choose_launch(64, 256, 1, H200, deterministic=True, policy=SORT).kind == "single"
     # Past the sort's shared memory: count + place rank in order.
     huge = 8 * H200.dynamic_smem + 1
     assert d.order_scratch_bytes(huge) > H200.dynamic_smem
-    launch = d.choose_launch(huge, 256, 1, NO_COOP, deterministic=True)
+    launch = d.choose_launch(huge, 16 * 256, 16, NO_COOP, deterministic=True)
     assert launch.deterministic and not launch.order_grid
-    # Sorting off: count + place rank in order.
-    launch = d.choose_launch(65536 * 8, 256, 1, NO_COOP, deterministic=True, policy=ORDERED)
-    assert launch.kind == "multi" and launch.deterministic and not launch.order_grid
 
 
 def test_cooperative_fill_spreads_over_the_sms():

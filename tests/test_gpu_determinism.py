@@ -3,8 +3,8 @@
 Every variant (the dispatcher's choice, shared, global, cooperative; a forced one the
 dispatcher refuses is skipped), base, LoRA and both together, uniform and skewed routing, at
 a prefill size and a decode size; each through both ways to deterministic output: every
-segment sorted after the free-order kernels ("sorted": inside the cooperative launch at every
-size, ``align_order`` after count + place), and the kernels' own ordered ranks ("ordered",
+segment sorted after the free-order kernels ("sorted", at every size: inside the cooperative
+launch, ``align_order`` after count + place), and the kernels' own ordered ranks ("ordered",
 ``sort_for_determinism=False``). The outputs are out= buffers poisoned before every run, so a
 run that leaves an entry unwritten cannot pass by reading the previous run's value.
 """
@@ -23,7 +23,7 @@ pytestmark = [requires_gpu, pytest.mark.gpu]
 RUNS = 100
 SIZES = {"prefill": (4096, 8, 256, 64, 16), "decode": (16, 8, 256, 16, 16)}  # T, K, E, B, L
 VARIANTS = [None, "shared", "global", "cooperative", "cluster"]
-POLICIES = {"sorted": mla.AlignPolicy(sort_min_routes=0),
+POLICIES = {"sorted": mla.AlignPolicy(sort_min_buckets=0),
             "ordered": dataclasses.replace(mla.AlignPolicy(), sort_for_determinism=False)}
 
 

@@ -453,7 +453,7 @@ def test_cluster_pair_is_fused(E, T, L):
 ORDER_MAX = mla._dispatch.ORDER_WARP_MAX
 DIGITS_MAX = mla._dispatch.ORDER_DIGITS_MAX
 ORDERED = mla.AlignPolicy(sort_for_determinism=False)
-SORTED = mla.AlignPolicy(sort_min_routes=0)  # the cooperative kernel sorts at every size
+SORTED = mla.AlignPolicy(sort_min_buckets=0)  # sorted at every size
 
 
 def _one_hot_expert(count, numel, E, hot, seed):
@@ -513,7 +513,7 @@ def test_order_clustered_values(dense, spread):
     ids[1000:1000 + dense] = 0
     ids[rng.choice(np.arange(1000 + dense, numel), size=spread, replace=False)] = 0
     assert _exact(ids.reshape(-1, 1), 16, 64, None, SORTED).sorted
-    assert _exact(ids.reshape(-1, 1), 16, 64, "shared", None).order_grid
+    assert _exact(ids.reshape(-1, 1), 16, 64, "shared", SORTED).order_grid
 
 
 @pytest.mark.parametrize("extra", [0, 1])
@@ -525,7 +525,7 @@ def test_order_both_sides_of_the_largest_bitmap(extra):
     numel = largest + 8 * extra
     ids = np.random.default_rng(extra).integers(64, size=(numel // 8, 8)).astype(np.int32)
     ids[::3, 0] = 7  # one long segment among the uniform ones
-    launch = _exact(ids, 64, 64, None, None)
+    launch = _exact(ids, 64, 64, None, SORTED)
     assert launch.kind == "multi" and bool(launch.order_grid) == (extra == 0)
 
 
