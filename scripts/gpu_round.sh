@@ -7,6 +7,7 @@
 #              compute-sanitizer over the GPU tests (SAN_FILES and SAN_K select; racecheck over
 #              all of them takes longer than one call: split it by SAN_FILES)
 #   bench      the benchmark, quick grid;  benchfull  the full grid
+#   det        scripts/det_experiment.py: deterministic mode against the default path
 # Old spellings: quick = tests memcheck racecheck bench; full = the same with benchfull.
 set -u
 OUT=${OUT:-$PWD/gpu-out}
@@ -62,6 +63,11 @@ for s in $STEPS; do
       [ "$s" = benchfull ] || BENCH_ARGS="--quick $BENCH_ARGS"
       timeout ${BENCH_S:-400} python3 -m moe_lora_align.bench $BENCH_ARGS 2>"$OUT/bench.progress"
       echo "bench rc=$?" ;;
+    det)
+      step "deterministic against default"
+      timeout ${DET_S:-200} python3 scripts/det_experiment.py --json "$OUT/det.json" 2>&1 \
+        | tee "$OUT/det.txt" | tail -20
+      echo "det rc=${PIPESTATUS[0]}" ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac
 done
