@@ -21,9 +21,9 @@ TINY_BUCKETS = 4              # TINY_BUCKETS: align_tiny's buckets a thread when
 COOP_ITEMS = 8                # COOP_ITEMS: the cooperative kernels' routes a thread, at most
 CLUSTER_BLOCKS = 8            # CLUSTER_BLOCKS: blocks of align_cluster's one cluster
 CLUSTER_ITEMS = 8             # CLUSTER_ITEMS: align_cluster's routes a thread, at most
-ORDER_ITEMS = 4               # ORDER_ITEMS: entries a lane holds in align_order's warp sort
+ORDER_ITEMS = 4               # ORDER_ITEMS: entries a lane holds in the segment sort's warps
 ORDER_WARP_MAX = 32 * ORDER_ITEMS  # segments up to this long are sorted by a warp
-ORDER_DIGITS_MAX = 4096       # ORDER_DIGITS_MAX: routes align_order's blocks sort by digits
+ORDER_DIGITS_MAX = 4096       # ORDER_DIGITS_MAX: segment entries a block sorts by digits
 SINGLE_BLOCK_MAX_ROUTES = BLOCK * ITEMS_PER_THREAD
 WARP_COUNTER_MAX = 65535      # unsigned short per-warp counters bound a deterministic chunk
 SMEM_SLACK = 512              # bytes of a block's shared memory kept for the kernels' static
@@ -121,7 +121,7 @@ class Launch:
                               #   second barrier (else ranks in flat order)
     order_grid: int = 0       # > 0: then align_order, this many blocks, sorts every segment
                               #   (deterministic output from the free-order count + place)
-    smem_order: int = 0       # dynamic shared bytes of align_order (its bitmap)
+    smem_order: int = 0       # dynamic shared bytes of align_order (the sort's scratch)
 
     @property
     def mode(self) -> int:
@@ -136,7 +136,7 @@ class Launch:
 
     @property
     def deterministic_output(self) -> bool:
-        """Routes in flat order: ranked so by the kernel, or sorted so by align_order."""
+        """Routes in flat order: ranked or sorted so by the kernel, or sorted by align_order."""
         return self.deterministic or self.order_grid > 0
 
 
@@ -198,17 +198,17 @@ def smem_cluster(num_buckets: int, rows: int) -> int:
 
 def order_scratch_bytes(numel: int) -> int:
     """The segment sort's shared memory (order.cuh: align_order, and the cooperative kernel's
-    deterministic mode): the larger of its digit sort's staging (routes, digit starts and
-    cursors, scan sums) and the bitmap of the route indices (a bit a route, in whole 32-word
+    deterministic mode): the larger of its digit sort's staging (routes, digit starts, scan
+    sums) and the bitmap of the route indices (a bit a route, in whole 32-word
     rounds) with its summary (a bit a word of it)."""
     digits = 4 * (2 * ORDER_DIGITS_MAX + 1 + 32)
     return max(digits, 4 * 33 * max(1, _ceil_div(numel, 1024)))
 
 
 def order_grid(num_buckets: int, limits: DeviceLimits) -> int:
-    """align_order's blocks: a warp for each bucket (the kernel relies on it), and at least
-    two blocks an SM where buckets are that many (a block sorts each long segment of its
-    warps' buckets)."""
+    """align_order's blocks: a warp for each bucket (else the warps take them in rounds), and
+    at least two blocks an SM where buckets are that many (a block sorts each long segment of
+    its warps' buckets)."""
     return max(_ceil_div(num_buckets, BLOCK // 32), min(num_buckets, 2 * limits.sm_count))
 
 
