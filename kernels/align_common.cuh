@@ -323,6 +323,19 @@ __device__ __forceinline__ int prefix_over_warps(unsigned short* column, int str
   return run;
 }
 
+// Block-wide exclusive prefix of one value a thread: the sum of the values of the threads
+// before this one. warp_sums (32 ints) is read until the caller's next barrier. Every thread
+// calls it.
+__device__ __forceinline__ int thread_prefix(int value, int* warp_sums) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const int x = warp_inclusive_sum(value);
+  if (lane == 31) warp_sums[warp] = x;
+  __syncthreads();
+  if (warp == 0) warp_sums[lane] = warp_inclusive_sum(lane < nwarps ? warp_sums[lane] : 0);
+  __syncthreads();
+  return x - value + (warp > 0 ? warp_sums[warp - 1] : 0);
+}
+
 // Block-wide exclusive scan: out[b] = sum_{b' < b} value(b'), out[n] = total. Each thread
 // scans a contiguous run; `out` may alias what `value` reads (in place on a thread's run).
 template <typename ValueFn>
@@ -331,14 +344,7 @@ __device__ void scan_block(int n, ValueFn value, int* out, int* warp_sums) {
   const int lo = min(n, (int)threadIdx.x * per), hi = min(n, lo + per);
   int sum = 0;
   for (int b = lo; b < hi; ++b) sum += value(b);
-  // inclusive scan of the per-thread sums
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  const int x = warp_inclusive_sum(sum);
-  if (lane == 31) warp_sums[warp] = x;
-  __syncthreads();
-  if (warp == 0) warp_sums[lane] = warp_inclusive_sum(lane < nwarps ? warp_sums[lane] : 0);
-  __syncthreads();
-  int run = x - sum + (warp > 0 ? warp_sums[warp - 1] : 0);
+  int run = thread_prefix(sum, warp_sums);
   for (int b = lo; b < hi; ++b) {
     const int c = value(b);
     out[b] = run;

@@ -69,21 +69,6 @@ __device__ __forceinline__ void sort_in_warp(int* seg, int n, int sentinel) {
     if (k * 32 + lane < routes) seg[rank[k]] = v[k];
 }
 
-// Block-wide exclusive scan of one value a thread (warp_sums: 32 ints); returns this thread's
-// prefix, and the total in *total (every thread). Every thread calls it.
-__device__ __forceinline__ int scan_threads(int value, int* warp_sums, int* total) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  const int x = warp_inclusive_sum(value);
-  if (lane == 31) warp_sums[warp] = x;
-  __syncthreads();
-  if (warp == 0) warp_sums[lane] = warp_inclusive_sum(lane < nwarps ? warp_sums[lane] : 0);
-  __syncthreads();
-  *total = warp_sums[nwarps - 1];
-  const int before = x - value + (warp > 0 ? warp_sums[warp - 1] : 0);
-  __syncthreads();  // warp_sums free again
-  return before;
-}
-
 // Sort the routes at the front of seg[0, n) (ORDER_WARP_MAX < n <= ORDER_DIGITS_MAX; the
 // entries at or above `sentinel` stay behind them) by the whole block; thread t holds entry
 // t + k * blockDim in v[k]. A counting sort on digits of [0, sentinel), at least a digit an
@@ -149,8 +134,8 @@ __device__ void sort_by_bitmap(const Problem& p, int* seg, int n, unsigned* bits
     if (lane == 0) summary[r] = nonzero;
   }
   __syncwarp();
-  int total;
-  int at = scan_threads(count, warp_sums, &total);
+  int at = thread_prefix(count, warp_sums);
+  __syncthreads();  // warp_sums free again
   at = __shfl_sync(MLA_FULL_MASK, at, 0);  // the warp's first position
   for (int r = r0; r < r1; ++r) {
     if (summary[r] == 0u) continue;  // the same on every lane
