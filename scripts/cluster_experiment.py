@@ -14,18 +14,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
 import cupy
 
 import moe_lora_align as mla
-from moe_lora_align import _kernels
 from moe_lora_align.bench import graph_us
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tiny_experiment import make_call  # noqa: E402
+from tiny_experiment import make_call, medians_in_turns, use_kernels  # noqa: E402
 
 CASES = [  # op, T, E, K, B, L
     ("base", 256, 128, 8, 16, None), ("base", 256, 256, 8, 16, None),
@@ -64,20 +62,20 @@ def main():
     report = {}
     print(f"{'case':40s} " + " ".join(f"{n:>9s}" for n, _, _ in runs)
           + "   (graph us, median of 3 in turn)")
+    by_name = {name: (settings, directory) for name, settings, directory in runs}
     for case in CASES:
-        times = {}
-        for _ in range(3):
-            for name, settings, directory in runs:
-                _kernels.use_build(_kernels.KernelBuild(source_dir=directory))
-                try:
-                    fn = make_call(case, stream, False, mla.AlignPolicy(**settings))
-                except ValueError as e:
-                    times.setdefault(name, []).append(float("nan"))
-                    print(f"  {name}: refused: {e}", file=sys.stderr)
-                    continue
-                times.setdefault(name, []).append(graph_us(fn, stream))
-        _kernels.use_build(_kernels.KernelBuild())
-        med = {n: statistics.median(v) for n, v in times.items()}
+        def time_run(name):
+            settings, directory = by_name[name]
+            use_kernels(directory)
+            try:
+                fn = make_call(case, stream, False, mla.AlignPolicy(**settings))
+            except ValueError as e:
+                print(f"  {name}: refused: {e}", file=sys.stderr)
+                return float("nan")
+            return graph_us(fn, stream)
+
+        med, times = medians_in_turns(list(by_name), time_run)
+        use_kernels(None)
         report[str(case)] = {"median_us": med, "all_us": times}
         print(f"{case!s:40s} " + " ".join(f"{med[n]:9.2f}" for n, _, _ in runs), flush=True)
     if args.json:

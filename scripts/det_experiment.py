@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -25,7 +24,7 @@ import moe_lora_align as mla
 from moe_lora_align.bench import graph_us
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tiny_experiment import make_call  # noqa: E402
+from tiny_experiment import make_call, medians_in_turns  # noqa: E402
 
 CASES = [  # op, T, E, K, B, L
     ("base", 1, 64, 8, 16, None), ("base", 64, 256, 8, 16, None),
@@ -53,13 +52,13 @@ def main():
     report = {}
     print(f"{'case':40s} " + " ".join(f"{n:>9s}" for n, _, _ in RUNS)
           + "  det/default  (graph us, median of 3 in turn)")
+    by_name = {name: (det, settings) for name, det, settings in RUNS}
     for case in CASES:
-        times = {}
-        for _ in range(3):
-            for name, det, settings in RUNS:
-                fn = make_call(case, stream, det, mla.AlignPolicy(**settings))
-                times.setdefault(name, []).append(graph_us(fn, stream))
-        med = {n: statistics.median(v) for n, v in times.items()}
+        def time_run(name):
+            det, settings = by_name[name]
+            return graph_us(make_call(case, stream, det, mla.AlignPolicy(**settings)), stream)
+
+        med, times = medians_in_turns(list(by_name), time_run)
         report[str(case)] = {"median_us": med, "all_us": times}
         print(f"{case!s:40s} " + " ".join(f"{med[n]:9.2f}" for n, _, _ in RUNS)
               + f"  {med['det'] / med['default']:6.2f}x", flush=True)

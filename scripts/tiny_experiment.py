@@ -97,6 +97,19 @@ RUNS = [  # name, AlignPolicy fields, kernel sources (None: the package's), one 
     ("no coop", {"coop_over_single_entries": 1 << 30}, None, False, False),
     ("det", {}, None, False, True), ("det single", {"use_tiny": False}, None, False, True)]
 
+def medians_in_turns(names, time_run, turns=3):
+    """One case's µs under each named run, the runs taking turns ``turns`` times so drift hits
+    all alike: ``(medians, every time)``. ``time_run(name)`` returns µs, or None where the
+    run does not apply (it then has no entry)."""
+    times = {}
+    for _ in range(turns):
+        for name in names:
+            t = time_run(name)
+            if t is not None:
+                times.setdefault(name, []).append(t)
+    return {n: statistics.median(v) for n, v in times.items()}, times
+
+
 def use_kernels(directory):
     """Compile and load the kernels from ``directory`` (None: the package's own)."""
     _kernels.use_build(_kernels.KernelBuild(source_dir=directory))
@@ -121,19 +134,19 @@ def main():
         runs.append(("base tiny", ONE, args.baseline.resolve(), True, False))
     print(f"{'case':40s} " + " ".join(f"{n:>10s}" for n, _, _, _, _ in runs)
           + "   (graph us, median of 3 in turn)")
+    by_name = {r[0]: r for r in runs}
     for case in CASES:
         op, T, E, K, B, L = case
-        times = {}
-        for _ in range(3):
-            for name, settings, directory, one_only, det in runs:
-                if one_only and E * (L or 1) > 1024:
-                    continue  # kernels with a thread per bucket only
-                use_kernels(directory)
-                policy = mla.AlignPolicy(**settings)
-                times.setdefault(name, []).append(
-                    graph_us(make_call(case, stream, det, policy), stream))
+
+        def time_run(name):
+            _, settings, directory, one_only, det = by_name[name]
+            if one_only and E * (L or 1) > 1024:
+                return None  # kernels with a thread per bucket only
+            use_kernels(directory)
+            return graph_us(make_call(case, stream, det, mla.AlignPolicy(**settings)), stream)
+
+        med, times = medians_in_turns(list(by_name), time_run)
         use_kernels(None)
-        med = {n: statistics.median(v) for n, v in times.items()}
         report[str(case)] = {"median_us": med, "all_us": times}
         print(f"{case!s:40s} " + " ".join(f"{med[n]:10.2f}" if n in med else f"{'-':>10s}"
                                           for n, _, _, _, _ in runs), flush=True)
