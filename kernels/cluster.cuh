@@ -20,7 +20,12 @@
 // A block must not exit while another may still read its histogram: each arrives at a
 // second cluster barrier once it has read the others (a relaxed arrival: it orders no
 // stores), and waits on it just before it exits.
-// After the row region: hist[nb] | starts[nb + 1] | before[nb] ints.
+// DET (deterministic output, the flat route order in every segment): warp w of a block holds
+// a contiguous run of the block's chunk and ranks its routes in lane order on counters of its
+// own; a prefix over the warps of each bucket's counters turns those into ranks in the block.
+// The blocks' order among each other already follows the chunks' (`before`).
+// After the row region: hist[nb] | starts[nb + 1] | before[nb] ints | DET: warp_counts[nwarps
+// * stride] ushort, stride = nb rounded up to even.
 #define CLUSTER_BLOCKS 8  // blocks of one cluster: the portable maximum
 #define CLUSTER_ITEMS 8   // routes a thread, at most: chunk <= CLUSTER_ITEMS * blockDim.x
 
@@ -67,7 +72,7 @@ __device__ __forceinline__ const int* in_block(const int* local, unsigned rank) 
 // span), 32 at a time, a bucket a lane, so the reads of every block's histogram are
 // coalesced and free of bank conflicts, and each lane's loads from all the blocks are in
 // flight at once.
-template <typename IdT>
+template <typename IdT, bool DET>
 __device__ __forceinline__ void align_in_cluster(const Problem& p) {
   __shared__ int warp_sums[32];
   const int nb = num_buckets(p), bd = blockDim.x, tid = threadIdx.x;
@@ -77,14 +82,22 @@ __device__ __forceinline__ void align_in_cluster(const Problem& p) {
   int* hist = reinterpret_cast<int*>(dynamic_smem + row_region_bytes(p.rows));
   int* starts = hist + nb;
   int* before = starts + nb + 1;
+  const int stride = (nb + 1) & ~1;
+  unsigned short* warp_counts = reinterpret_cast<unsigned short*>(before + nb);
   const int c0 = min(p.numel, rank * p.chunk), c1 = min(p.numel, c0 + p.chunk);
   const int ctid = rank * bd + tid, cthreads = CLUSTER_BLOCKS * bd;
+  // Route j of this thread: strided over the block, or (DET) over the warp's own run.
+  const Span run = warp_span(c0, c1, warp, nwarps);
+  const int first = DET ? run.lo + lane : c0 + tid, step = DET ? 32 : bd;
+  const int end = DET ? run.hi : c1;
   MLA_STAMP(4, 0);
 
   Route route[CLUSTER_ITEMS];  // in flight during the set-up below
 #pragma unroll
-  for (int j = 0; j < CLUSTER_ITEMS; ++j) route[j] = load_route<IdT>(p, c0 + j * bd + tid, c1);
+  for (int j = 0; j < CLUSTER_ITEMS; ++j) route[j] = load_route<IdT>(p, first + j * step, end);
   for (int b = tid; b < nb; b += bd) hist[b] = 0;
+  if (DET)
+    for (int k = tid; k < nwarps * stride / 2; k += bd) reinterpret_cast<unsigned*>(warp_counts)[k] = 0;
   mark_processed_rows(p, processed);  // ends in a barrier: the zeros are in place
   MLA_STAMP(4, 1);
   // This block's share of the fills, cut over the cluster's threads; the barrier below
@@ -94,12 +107,23 @@ __device__ __forceinline__ void align_in_cluster(const Problem& p) {
   MLA_STAMP(4, 2);
 
   int bucket[CLUSTER_ITEMS], rank_in_block[CLUSTER_ITEMS];
+  unsigned short* mine = warp_counts + warp * stride;
 #pragma unroll
   for (int j = 0; j < CLUSTER_ITEMS; ++j) {
-    const int i = c0 + j * bd + tid;
+    const int i = first + j * step;
     bucket[j] = bucket_of(p, route[j], processed);
-    if (p.scatter_idx != nullptr && i < c1) p.scatter_idx[i] = bucket[j] >= 0 ? i : -1;
-    rank_in_block[j] = claim(hist, bucket[j]);
+    if (p.scatter_idx != nullptr && i < end) p.scatter_idx[i] = bucket[j] >= 0 ? i : -1;
+    rank_in_block[j] = DET ? claim_in_lane_order(mine, bucket[j], bucket_bits(nb))
+                           : claim(hist, bucket[j]);
+  }
+  if (DET) {
+    // Each warp's counter := routes of the warps before it; hist := the block's count.
+    __syncthreads();
+    for (int b = tid; b < nb; b += bd) hist[b] = prefix_over_warps(warp_counts + b, stride, nwarps);
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < CLUSTER_ITEMS; ++j)
+      if (bucket[j] >= 0) rank_in_block[j] += mine[bucket[j]];
   }
   cluster_arrive();  // a barrier of every thread of the cluster, this block's too
   cluster_wait();
@@ -149,7 +173,7 @@ __device__ __forceinline__ void align_in_cluster(const Problem& p) {
   for (int j = 0; j < CLUSTER_ITEMS; ++j) {
     if (bucket[j] < 0) continue;
     const int b = bucket[j];
-    p.sorted_ids[output_index(p, starts, b, before[b] + rank_in_block[j])] = c0 + j * bd + tid;
+    p.sorted_ids[output_index(p, starts, b, before[b] + rank_in_block[j])] = first + j * step;
   }
   // Tile owners: bucket b's tiles are written by block b % CLUSTER_BLOCKS, by the thread
   // that takes b among that block's share (only processed rows have counts).
@@ -169,18 +193,18 @@ __device__ __forceinline__ void align_in_cluster(const Problem& p) {
 
 // Launched as one cluster (grid = CLUSTER_BLOCKS); the dispatcher picks it only on sm_90 and
 // newer, so older architectures compile an empty body.
-template <typename IdT>
+template <typename IdT, bool DET>
 __global__ void __launch_bounds__(1024, 1) MLA_CLUSTER_DIMS align_cluster(const Problem p) {
 #if MLA_CLUSTERS
-  align_in_cluster<IdT>(p);
+  align_in_cluster<IdT, DET>(p);
 #endif
 }
 
 // Base and LoRA alignment in one launch of two clusters (cluster 0: `first`).
-template <typename IdT>
+template <typename IdT, bool DET>
 __global__ void __launch_bounds__(1024, 1) MLA_CLUSTER_DIMS
     align_cluster_pair(const Problem first, const Problem second) {
 #if MLA_CLUSTERS
-  align_in_cluster<IdT>(blockIdx.x < CLUSTER_BLOCKS ? first : second);
+  align_in_cluster<IdT, DET>(blockIdx.x < CLUSTER_BLOCKS ? first : second);
 #endif
 }

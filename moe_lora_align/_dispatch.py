@@ -47,7 +47,7 @@ class AlignPolicy:
     buckets_per_thread: int = 4          # buckets a thread of align_single zeroes and scans
     # Above this many output entries the cooperative launch beats one block.
     coop_over_single_entries: int = 81920
-    # One cluster of CLUSTER_BLOCKS blocks (sm_90+, not deterministic) from this many routes
+    # One cluster of CLUSTER_BLOCKS blocks (sm_90+) from this many routes
     # up to this many, over at most this many buckets; its blocks get
     # cluster_routes_per_thread routes a thread, at least cluster_min_block threads.
     cluster_min_routes: int = 2048
@@ -191,9 +191,12 @@ def smem_cooperative(num_buckets: int, rows: int, chunk: int, deterministic: boo
     return row_region_bytes(rows) + 4 * (3 * num_buckets + 2) + staging
 
 
-def smem_cluster(num_buckets: int, rows: int) -> int:
-    """align_cluster: hist[nb], starts[nb + 1], before[nb]."""
-    return row_region_bytes(rows) + 4 * (3 * num_buckets + 1)
+def smem_cluster(num_buckets: int, rows: int, deterministic: bool = False,
+                 block: int = BLOCK) -> int:
+    """align_cluster: hist[nb], starts[nb + 1], before[nb]; deterministic: then
+    warp_counts[block / 32 * even(nb)] ushort."""
+    counters = 2 * (block // 32) * _even(num_buckets) if deterministic else 0
+    return row_region_bytes(rows) + 4 * (3 * num_buckets + 1) + counters
 
 
 def order_scratch_bytes(numel: int) -> int:
@@ -352,18 +355,17 @@ def cluster_block_threads(chunk: int, num_buckets: int,
 def _cluster(numel, num_buckets, rows, limits, deterministic=False,
              policy: AlignPolicy = DEFAULT_POLICY):
     """align_cluster's geometry, or None where it cannot run: no clusters on the device,
-    deterministic ranks (not implemented there), more routes than the cluster's threads hold
-    (CLUSTER_ITEMS each) or a histogram that does not fit (12 bytes a bucket)."""
-    if not limits.clusters or deterministic:
-        return None
-    if numel > CLUSTER_BLOCKS * CLUSTER_ITEMS * BLOCK:
-        return None
-    smem = smem_cluster(num_buckets, rows)
-    if smem > limits.dynamic_smem:
+    more routes than the cluster's threads hold (CLUSTER_ITEMS each) or a histogram that does
+    not fit (12 bytes a bucket, and deterministic: a 2-byte counter a bucket a warp)."""
+    if not limits.clusters or numel > CLUSTER_BLOCKS * CLUSTER_ITEMS * BLOCK:
         return None
     chunk = _ceil_div(max(numel, 1), CLUSTER_BLOCKS)
-    return Launch("cluster", "cluster", False, cluster_block_threads(chunk, num_buckets, policy),
-                  grid=CLUSTER_BLOCKS, chunk=chunk, smem_place=smem)
+    block = cluster_block_threads(chunk, num_buckets, policy)
+    smem = smem_cluster(num_buckets, rows, deterministic, block)
+    if smem > limits.dynamic_smem:
+        return None
+    return Launch("cluster", "cluster", deterministic, block, grid=CLUSTER_BLOCKS, chunk=chunk,
+                  smem_place=smem)
 
 
 def in_cluster_range(numel: int, num_buckets: int, policy: AlignPolicy) -> bool:
@@ -510,8 +512,6 @@ def _forced_cluster(numel, num_buckets, rows, limits, deterministic, policy):
     if cluster is None:
         if not limits.clusters:
             why = "this device has no thread-block clusters (compute capability 9.0 or newer)"
-        elif deterministic:
-            why = "it does not rank routes deterministically"
         elif numel > CLUSTER_BLOCKS * CLUSTER_ITEMS * BLOCK:
             why = (f"{numel} routes are more than its {CLUSTER_BLOCKS} blocks hold "
                    f"({CLUSTER_ITEMS * BLOCK} each)")
@@ -528,14 +528,18 @@ def choose_cluster_pair(numel: int, base_buckets: int, lora_buckets: int, rows: 
                         policy: AlignPolicy = DEFAULT_POLICY):
     """Base and LoRA in one launch of two clusters (cluster 0 base, cluster 1 LoRA): both
     sides have the same routes, so one geometry serves both, with the larger side's shared
-    memory; None where align_cluster cannot run either side (deterministic ranks among
-    them)."""
+    memory; None where align_cluster cannot run either side."""
     base = _cluster(numel, base_buckets, 1, limits, deterministic, policy)
     lora = _cluster(numel, lora_buckets, rows, limits, deterministic, policy)
     if base is None or lora is None:
         return None
-    return Launch("cluster", "cluster", False, lora.block, grid=2 * CLUSTER_BLOCKS,
-                  chunk=lora.chunk, smem_place=max(base.smem_place, lora.smem_place))
+    block = max(base.block, lora.block)
+    smem = max(smem_cluster(base_buckets, 1, deterministic, block),
+               smem_cluster(lora_buckets, rows, deterministic, block))
+    if smem > limits.dynamic_smem:
+        return None
+    return Launch("cluster", "cluster", deterministic, block, grid=2 * CLUSTER_BLOCKS,
+                  chunk=lora.chunk, smem_place=smem)
 
 
 def _room(smem: int, limits: DeviceLimits) -> bool:
@@ -649,7 +653,7 @@ def kernel_demands(launch, numel: int, sides) -> list:
         return [("tiny" if launch.tiny else "single", launch.grid, launch.block,
                  launch.smem_single, need)]
     if launch.kind == "cluster":
-        need = max(smem_cluster(nb, r) for nb, r in sides)
+        need = max(smem_cluster(nb, r, launch.deterministic, launch.block) for nb, r in sides)
         return [("cluster" if len(sides) == 1 else "cluster_pair", launch.grid, launch.block,
                  launch.smem_place, need)]
     (nb, rows), = sides

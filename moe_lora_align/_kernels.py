@@ -104,13 +104,13 @@ def kernel_names(dtype) -> dict:
         names[("pair", det)] = f"align_pair<{t}, {d}>"
         names[("tiny", det)] = f"align_tiny<{t}, {d}>"
         names[("tiny_pair", det)] = f"align_tiny_pair<{t}, {d}>"
+        names[("cluster", det)] = f"align_cluster<{t}, {d}>"
+        names[("cluster_pair", det)] = f"align_cluster_pair<{t}, {d}>"
     for mode in (0, 1, 2):  # MODE_*; COOP_FREE, COOP_ORDERED, COOP_SORTED
         names[("cooperative", mode)] = f"align_cooperative<{t}, {mode}>"
         names[("count", mode)] = f"align_count<{t}, {mode}>"
         names[("place", mode)] = f"align_place<{t}, {mode}>"
     names[("cooperative_pair", 0)] = f"align_cooperative_pair<{t}>"
-    names[("cluster", False)] = f"align_cluster<{t}>"
-    names[("cluster_pair", False)] = f"align_cluster_pair<{t}>"
     names[("order", False)] = f"align_order<{t}>"
     return names
 

@@ -357,7 +357,7 @@ def launch_one(job: Job, launch: _dispatch.Launch, ws: Workspace, stream, device
         launch_kernel(ks, ("cooperative", mode), launch.grid, launch.block,
                       launch.smem_place, stream, job, cooperative=True)
     elif launch.kind == "cluster":
-        launch_kernel(ks, ("cluster", False), launch.grid, launch.block,
+        launch_kernel(ks, ("cluster", launch.deterministic), launch.grid, launch.block,
                       launch.smem_place, stream, job)
     else:
         launch_kernel(ks, ("count", launch.mode), launch.count_grid, launch.block,
@@ -398,7 +398,7 @@ def launch_pair(base: Job, lora: Job, launch, ws_base: Workspace, ws_lora: Works
     pack(base, launch, ws_base)
     pack(lora, launch, ws_lora)
     if launch.kind == "cluster":
-        launch_kernel(ks, ("cluster_pair", False), launch.grid, launch.block,
+        launch_kernel(ks, ("cluster_pair", launch.deterministic), launch.grid, launch.block,
                       launch.smem_place, stream, base, lora)
         return
     key = ("tiny_pair" if launch.tiny else "pair", launch.deterministic)
@@ -489,7 +489,7 @@ def choose_streams(base: Job, lora: Job, device_id: int, streams=None, variant=N
                          f"each (at most {_dispatch.SINGLE_BLOCK_MAX_ROUTES} routes and a "
                          "shared histogram of every bucket) or one cooperative launch (not "
                          "deterministic, both sides' routes and buckets within its resident "
-                         "blocks) or two clusters (sm_90 and newer, not deterministic); use "
+                         "blocks) or two clusters (sm_90 and newer); use "
                          "streams='two' or None")
     if streams is None:
         streams = "fused" if pair is not None else "two"

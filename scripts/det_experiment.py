@@ -2,12 +2,14 @@
 
   python3 scripts/det_experiment.py [--json PATH]
 
-Every case runs four ways: the default (free-order) path; deterministic as the dispatcher
-picks ("det", the default policy); deterministic with every segment sorted after the
-free-order kernels at any size ("sorted": inside the cooperative launch, align_order after
-count + place; ``sort_min_buckets=0``); deterministic through the kernels' own ordered ranks
-("ordered", ``sort_for_determinism=False``; the cooperative kernel still sorts where its
-per-warp counters do not fit). Graph replay, the runs taking turns three times, the median
+Every case runs five ways: the default (free-order) path; deterministic as the dispatcher
+picks ("det", the default policy); deterministic without the one-cluster kernel
+("no_cluster": ``cluster_max_routes=0``, so the mid band takes one block or the cooperative
+launch); deterministic with every segment sorted after the free-order kernels at any size
+("sorted": inside the cooperative launch, align_order after count + place;
+``sort_min_buckets=0``); deterministic through the kernels' own ordered ranks ("ordered",
+``sort_for_determinism=False``; the cooperative kernel still sorts where its per-warp
+counters do not fit). In the cluster range all but no_cluster run the cluster kernel. Graph replay, the runs taking turns three times, the median
 kept; every result is checked against the NumPy backend first (scripts/tiny_experiment.py:
 make_call, exactly when deterministic).
 """
@@ -28,7 +30,11 @@ from tiny_experiment import make_call, medians_in_turns  # noqa: E402
 
 CASES = [  # op, T, E, K, B, L
     ("base", 1, 64, 8, 16, None), ("base", 64, 256, 8, 16, None),
-    ("base", 256, 256, 8, 16, None), ("base", 1024, 256, 8, 64, None),
+    ("base", 256, 128, 8, 16, None), ("base", 256, 256, 8, 16, None),
+    ("base", 256, 512, 10, 16, None), ("base", 512, 256, 8, 16, None),
+    ("base", 1024, 128, 8, 64, None), ("base", 1024, 256, 8, 64, None),
+    ("base", 1024, 512, 10, 64, None), ("lora", 256, 256, 8, 16, 4),
+    ("pair", 256, 256, 8, 16, 4), ("pair", 1024, 128, 8, 64, 4),
     ("base", 4096, 256, 8, 64, None), ("base", 16384, 256, 8, 64, None),
     ("base", 65536, 256, 8, 64, None), ("base", 16384, 8, 2, 64, None),
     ("lora", 16, 256, 8, 16, 16), ("lora", 256, 256, 8, 16, 16),
@@ -39,6 +45,7 @@ CASES = [  # op, T, E, K, B, L
 RUNS = [  # name, deterministic, AlignPolicy fields
     ("default", False, {}),
     ("det", True, {}),
+    ("no_cluster", True, {"cluster_max_routes": 0}),
     ("sorted", True, {"sort_min_buckets": 0}),
     ("ordered", True, {"sort_for_determinism": False}),
 ]

@@ -26,9 +26,12 @@ ORDERED = dataclasses.replace(d.DEFAULT_POLICY, sort_for_determinism=False)
     (4096, 4 * 256, 4, H200, False, None, ("cluster", "cluster", 1)),
     (2048, 256, 1, NO_CLUSTERS, False, None, ("shared", "single", 1)),
     (4097, 256, 1, NO_CLUSTERS, False, None, ("cooperative", "cooperative", 1)),
-    (4097, 256, 1, H200, True, None, ("cooperative", "cooperative", 1)),
+    (4097, 256, 1, H200, True, None, ("cluster", "cluster", 1)),
+    (12289, 256, 1, H200, True, None, ("cooperative", "cooperative", 1)),
     (4096, 8192, 1, H200, False, None, ("shared", "single", 1)),
-    (2048, 256, 1, H200, True, None, ("shared", "single", 1)),
+    (2047, 256, 1, H200, True, None, ("shared", "single", 1)),
+    (2048, 256, 1, H200, True, None, ("cluster", "cluster", 1)),
+    (2048, 256, 1, NO_CLUSTERS, True, None, ("shared", "single", 1)),
     # prefill sizes: one cooperative launch where it can run, else count + place
     (12289, 256, 1, H200, False, None, ("cooperative", "cooperative", 1)),
     (65536 * 8, 256, 1, H200, False, None, ("cooperative", "cooperative", 1)),
@@ -169,9 +172,9 @@ def test_work_spreads_over_the_sms():
 
 
 def test_single_block_deterministic_uses_fewer_warps_for_many_buckets():
-    few = d.choose_launch(4096, 256, 1, H200, deterministic=True)
+    few = d.choose_launch(4096, 256, 1, NO_CLUSTERS, deterministic=True)  # one block there
     many = d.choose_launch(4096, 16 * 256, 16, H200, deterministic=True)
-    assert few.block == 1024
+    assert few.kind == "single" and few.block == 1024
     assert many.kind == "single" and many.block < 1024
 
 
@@ -522,7 +525,7 @@ def test_cluster_geometry_covers_every_route(numel, buckets):
 
 @pytest.mark.parametrize("numel,buckets,limits,det,why", [
     (CLUSTER_CAP + 1, 64, H200, False, "more than its"),
-    (2048, 64, H200, True, "deterministic"),
+    (2048, 4096, H200, True, "shared memory"),
     (2048, 64, NO_CLUSTERS, False, "no thread-block clusters"),
     (2048, 20000, H200, False, "shared memory"),
 ])
@@ -547,7 +550,31 @@ def test_cluster_pair_shares_one_geometry():
     assert pair.smem_place == max(d.smem_cluster(256, 1), d.smem_cluster(1024, 4))
     d.check_launch(pair, 4096, [(256, 1), (1024, 4)], H200)
     assert d.choose_cluster_pair(4096, 256, 1024, 4, NO_CLUSTERS) is None
-    assert d.choose_cluster_pair(4096, 256, 1024, 4, H200, deterministic=True) is None
+
+
+@pytest.mark.parametrize("numel,buckets,rows", [(2048, 256, 1), (8192, 512, 1), (12288, 1024, 4),
+                                                (CLUSTER_CAP, 64, 1)])
+def test_deterministic_cluster_holds_its_warp_counters(numel, buckets, rows):
+    """Deterministic align_cluster: a 2-byte counter a bucket for each warp of its block
+    beside the histograms; the dispatcher picks it in the cluster range."""
+    launch = d.choose_launch(numel, buckets, rows, H200, deterministic=True, variant="cluster")
+    free = d.choose_launch(numel, buckets, rows, H200, variant="cluster")
+    assert launch.deterministic and launch.block == free.block
+    counters = 2 * (launch.block // 32) * (buckets + buckets % 2)
+    assert launch.smem_place == d.smem_cluster(buckets, rows) + counters
+    d.check_launch(launch, numel, [(buckets, rows)], H200)
+    if d.in_cluster_range(numel, buckets, d.DEFAULT_POLICY):
+        assert d.choose_launch(numel, buckets, rows, H200, deterministic=True) == launch
+
+
+def test_deterministic_cluster_pair_sizes_both_sides_at_its_block():
+    pair = d.choose_cluster_pair(4096, 256, 1024, 4, H200, deterministic=True)
+    assert pair.deterministic and pair.grid == 2 * d.CLUSTER_BLOCKS
+    assert pair.smem_place == max(d.smem_cluster(256, 1, True, pair.block),
+                                  d.smem_cluster(1024, 4, True, pair.block))
+    d.check_launch(pair, 4096, [(256, 1), (1024, 4)], H200)
+    # 16 slots of 1024 experts: the LoRA side's counters cannot fit one block
+    assert d.choose_cluster_pair(4096, 1024, 16 * 1024, 16, H200, deterministic=True) is None
 
 
 def test_check_launch_refuses_a_broken_cluster_launch():

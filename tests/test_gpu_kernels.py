@@ -368,10 +368,10 @@ def test_device_compiler_leaves_no_kernel_spilled(dtype):
     assert not any(local.values()), {n: b for n, b in local.items() if b}
 
 
-# align_cluster: one cluster of CLUSTER_BLOCKS blocks. Sizes on both sides of its limits
-# (the routes its blocks hold, chunks of one thread each and of several), one bucket taking
-# every route (one thread writes all tile owners), LoRA rows past one warp's marking, and the
-# fused pair of two clusters.
+# align_cluster: one cluster of CLUSTER_BLOCKS blocks, free order and deterministic. Sizes on
+# both sides of its limits (the routes its blocks hold, chunks of one thread each and of
+# several), one bucket taking every route (one thread writes all tile owners), LoRA rows past
+# one warp's marking, and the fused pair of two clusters.
 CLUSTER_CAP = mla._dispatch.CLUSTER_BLOCKS * mla._dispatch.CLUSTER_ITEMS * mla._dispatch.BLOCK
 
 
@@ -383,9 +383,11 @@ def _needs_clusters():
 @pytest.mark.parametrize("numel", [0, 1, 7, 8 * 256, 8 * 256 + 1, 8 * 1024 - 1, 8 * 1024,
                                    8 * 1024 + 33, CLUSTER_CAP - 1, CLUSTER_CAP])
 @pytest.mark.parametrize("E", [1, 64, 257, 4096])
-def test_cluster_base_sizes(numel, E):
+@pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
+def test_cluster_base_sizes(numel, E, det):
     _needs_clusters()
-    _base_case(E, numel, "cluster", False, salt=50, topk=1, scatter=numel % 2 == 1)
+    _skip_unless_runs("cluster", det, numel, E, 1)
+    _base_case(E, numel, "cluster", det, salt=50 + det, topk=1, scatter=numel % 2 == 1)
 
 
 def test_cluster_refuses_past_its_routes():
@@ -395,40 +397,50 @@ def test_cluster_refuses_past_its_routes():
                                     variant="cluster")
 
 
+@pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
 @pytest.mark.parametrize("E,T", [(256, 256), (64, 4095), (512, 1024)])
-def test_cluster_one_expert_takes_every_route(E, T):
+def test_cluster_one_expert_takes_every_route(E, T, det):
     _needs_clusters()
     ids = cupy.full((T, 8), 3, dtype=cupy.int32)
-    got = mla.moe_align_block_size(ids, 16, E, variant="cluster")
+    got = mla.moe_align_block_size(ids, 16, E, variant="cluster", deterministic=det)
     padded = -(-T * 8 // 16) * 16
     assert int(got.num_tokens_post_pad[0]) == padded
     s = got.sorted_token_ids.get()
-    assert np.array_equal(np.sort(s[: T * 8]), np.arange(T * 8))
+    assert np.array_equal(s[: T * 8] if det else np.sort(s[: T * 8]), np.arange(T * 8))
     assert (s[T * 8:] == T * 8).all()
     assert (got.expert_ids.get()[: padded // 16] == 3).all()
     assert (got.expert_ids.get()[padded // 16:] == -1).all()
 
 
+@pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
 @pytest.mark.parametrize("rows", [1, 4, 16, 40])
 @pytest.mark.parametrize("E,T", [(64, 1), (256, 256), (128, 1024), (64, 4096)])
-def test_cluster_lora(E, T, rows):
+def test_cluster_lora(E, T, rows, det):
     _needs_clusters()
-    _lora_case(E, T, "cluster", False, salt=51, max_loras=rows, topk=8)
-    _lora_case(E, T, "cluster", False, salt=52, max_loras=rows, topk=8, allocate=True,
+    _skip_unless_runs("cluster", det, T * 8, rows * E, rows)
+    _lora_case(E, T, "cluster", det, salt=51, max_loras=rows, topk=8)
+    _lora_case(E, T, "cluster", det, salt=52, max_loras=rows, topk=8, allocate=True,
                use_map=True, with_ids=False, disabled=2)
 
 
-@pytest.mark.parametrize("E,T,L", [(64, 1, 4), (256, 256, 16), (512, 1024, 4), (64, 4096, 16)])
-def test_cluster_pair_is_fused(E, T, L):
-    """Base and LoRA in one launch of two clusters, against the NumPy backend."""
+@pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
+@pytest.mark.parametrize("E,T,L", [(64, 1, 4), (256, 256, 16), (512, 1024, 4), (64, 4096, 16),
+                                   (256, 1024, 4)])
+def test_cluster_pair_is_fused(E, T, L, det):
+    """Base and LoRA in one launch of two clusters, against the NumPy backend (exactly when
+    deterministic)."""
     _needs_clusters()
+    if det and mla._dispatch.choose_cluster_pair(T * 8, E, L * E, L,
+                                                 mla._launch.device_limits(0),
+                                                 deterministic=True) is None:
+        pytest.skip("the deterministic cluster pair's counters do not fit")
     rng = np.random.default_rng(E + T + L)
-    ids = make_routing(rng, T, 8, E, np.int32, "uniform")
+    ids = make_routing(rng, T, 8, E, np.int32, "skewed" if det else "uniform")
     mapping, lora_ids, enabled = make_lora(rng, T, L, disabled=1)
     kw = dict(lora_ids=lora_ids, adapter_enabled=enabled)
     ref = mla.align_moe_and_lora(ids, mapping, 16, E, L, **kw)
     got = mla.align_moe_and_lora(cupy.asarray(ids), cupy.asarray(mapping), 16, E, L,
-                                 variant="cluster", streams="fused",
+                                 variant="cluster", streams="fused", deterministic=det,
                                  **{k: cupy.asarray(v) for k, v in kw.items()})
     cupy.cuda.get_current_stream().synchronize()
     for side, rows, extra in ((0, 1, {}), (1, L, dict(mapping=mapping, lora_ids=lora_ids,
@@ -437,7 +449,11 @@ def test_cluster_pair_is_fused(E, T, L):
         g, r = got[side], ref[side]
         sorted_g = g[0].get().reshape(rows, -1)
         sorted_r = np.asarray(r[0]).reshape(rows, -1)
-        np.testing.assert_array_equal(canonical(sorted_g, starts), canonical(sorted_r, starts))
+        if det:
+            np.testing.assert_array_equal(sorted_g, sorted_r)
+        else:
+            np.testing.assert_array_equal(canonical(sorted_g, starts),
+                                          canonical(sorted_r, starts))
         np.testing.assert_array_equal(g[1].get(), np.asarray(r[1]))
         np.testing.assert_array_equal(g[2].get(), np.asarray(r[2]))
 
