@@ -119,8 +119,10 @@ __device__ __forceinline__ void align_in_cluster(const Problem& p) {
   if (DET) {
     // Each warp's counter := routes of the warps before it; hist := the block's count.
     __syncthreads();
+    MLA_STAMP(6, 0);
     for (int b = tid; b < nb; b += bd) hist[b] = prefix_over_warps(warp_counts + b, stride, nwarps);
     __syncthreads();
+    MLA_STAMP(6, 1);
 #pragma unroll
     for (int j = 0; j < CLUSTER_ITEMS; ++j)
       if (bucket[j] >= 0) rank_in_block[j] += mine[bucket[j]];

@@ -48,10 +48,12 @@ class AlignPolicy:
     # Above this many output entries the cooperative launch beats one block.
     coop_over_single_entries: int = 81920
     # One cluster of CLUSTER_BLOCKS blocks (sm_90+) from this many routes
-    # up to this many, over at most this many buckets; its blocks get
-    # cluster_routes_per_thread routes a thread, at least cluster_min_block threads.
+    # up to this many (deterministic calls: up to cluster_max_routes_deterministic), over at
+    # most this many buckets; its blocks get cluster_routes_per_thread routes a thread, at
+    # least cluster_min_block threads.
     cluster_min_routes: int = 2048
     cluster_max_routes: int = 12288
+    cluster_max_routes_deterministic: int = 12288
     cluster_max_buckets: int = 1024
     cluster_routes_per_thread: int = 2
     cluster_min_block: int = 256
@@ -368,10 +370,13 @@ def _cluster(numel, num_buckets, rows, limits, deterministic=False,
                   smem_place=smem)
 
 
-def in_cluster_range(numel: int, num_buckets: int, policy: AlignPolicy) -> bool:
+def in_cluster_range(numel: int, num_buckets: int, policy: AlignPolicy,
+                     deterministic: bool = False) -> bool:
     """The policy hands alignments of ``numel`` routes over ``num_buckets`` buckets to one
     cluster (where it can run)."""
-    return (policy.cluster_min_routes <= numel <= policy.cluster_max_routes
+    most = (policy.cluster_max_routes_deterministic if deterministic
+            else policy.cluster_max_routes)
+    return (policy.cluster_min_routes <= numel <= most
             and num_buckets <= policy.cluster_max_buckets)
 
 
@@ -412,7 +417,7 @@ def choose_launch(numel: int, num_buckets: int, rows: int, limits: DeviceLimits,
                                    policy)
     if variant == "cluster":
         return _forced_cluster(numel, num_buckets, rows, limits, deterministic, policy)
-    if variant is None and in_cluster_range(numel, num_buckets, policy):
+    if variant is None and in_cluster_range(numel, num_buckets, policy, deterministic):
         cluster = _cluster(numel, num_buckets, rows, limits, deterministic, policy)
         if cluster is not None:
             return cluster

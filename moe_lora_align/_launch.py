@@ -471,7 +471,7 @@ def choose_streams(base: Job, lora: Job, device_id: int, streams=None, variant=N
     pair = None
     if variant == "cluster" or (
             variant is None and _dispatch.in_cluster_range(base.numel, lora.num_buckets,
-                                                           policy)):
+                                                           policy, base.deterministic)):
         pair = _dispatch.choose_cluster_pair(base.numel, base.num_buckets, lora.num_buckets,
                                              lora.rows, limits,
                                              deterministic=base.deterministic, policy=policy)

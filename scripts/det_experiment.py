@@ -2,10 +2,11 @@
 
   python3 scripts/det_experiment.py [--json PATH]
 
-Every case runs five ways: the default (free-order) path; deterministic as the dispatcher
+Every case runs six ways: the default (free-order) path; deterministic as the dispatcher
 picks ("det", the default policy); deterministic without the one-cluster kernel
-("no_cluster": ``cluster_max_routes=0``, so the mid band takes one block or the cooperative
-launch); deterministic with every segment sorted after the free-order kernels at any size
+("no_cluster": ``cluster_max_routes_deterministic=0``, so the mid band takes one block or the
+cooperative launch); deterministic with one cluster up to its 65536 routes ("cluster_64k");
+deterministic with every segment sorted after the free-order kernels at any size
 ("sorted": inside the cooperative launch, align_order after count + place;
 ``sort_min_buckets=0``); deterministic through the kernels' own ordered ranks ("ordered",
 ``sort_for_determinism=False``; the cooperative kernel still sorts where its per-warp
@@ -35,7 +36,9 @@ CASES = [  # op, T, E, K, B, L
     ("base", 1024, 128, 8, 64, None), ("base", 1024, 256, 8, 64, None),
     ("base", 1024, 512, 10, 64, None), ("lora", 256, 256, 8, 16, 4),
     ("pair", 256, 256, 8, 16, 4), ("pair", 1024, 128, 8, 64, 4),
-    ("base", 4096, 256, 8, 64, None), ("base", 16384, 256, 8, 64, None),
+    ("base", 2048, 256, 8, 64, None), ("base", 4096, 256, 8, 64, None),
+    ("base", 8192, 256, 8, 64, None), ("lora", 2048, 256, 8, 64, 4),
+    ("base", 16384, 256, 8, 64, None),
     ("base", 65536, 256, 8, 64, None), ("base", 16384, 8, 2, 64, None),
     ("lora", 16, 256, 8, 16, 16), ("lora", 256, 256, 8, 16, 16),
     ("lora", 1024, 256, 8, 64, 16), ("lora", 4096, 256, 8, 64, 16),
@@ -45,7 +48,8 @@ CASES = [  # op, T, E, K, B, L
 RUNS = [  # name, deterministic, AlignPolicy fields
     ("default", False, {}),
     ("det", True, {}),
-    ("no_cluster", True, {"cluster_max_routes": 0}),
+    ("no_cluster", True, {"cluster_max_routes_deterministic": 0}),
+    ("cluster_64k", True, {"cluster_max_routes_deterministic": 65536}),
     ("sorted", True, {"sort_min_buckets": 0}),
     ("ordered", True, {"sort_for_determinism": False}),
 ]
@@ -54,7 +58,13 @@ RUNS = [  # name, deterministic, AlignPolicy fields
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--only", default="",
+                    help="only cases whose printed tuple contains one of these ('|' between)")
+    ap.add_argument("--runs", default="", help="only these runs, comma-separated")
     args = ap.parse_args()
+    CASES[:] = [c for c in CASES if any(o in str(c) for o in args.only.split("|"))]
+    if args.runs:
+        RUNS[:] = [r for r in RUNS if r[0] in args.runs.split(",") + ["default", "det"]]
     stream = cupy.cuda.Stream(non_blocking=True)
     report = {}
     print(f"{'case':40s} " + " ".join(f"{n:>9s}" for n, _, _ in RUNS)

@@ -81,7 +81,8 @@ CASES = [  # op ("... det": deterministic=True), T, E, K, B, L
     ("lora det", 16, 256, 8, 16, 16), ("base det", 16384, 256, 8, 64, None),
     ("base det", 65536, 256, 8, 64, None), ("lora det", 4096, 256, 8, 64, 16),
     ("base det", 4096, 256, 8, 64, None), ("base det", 1024, 256, 8, 64, None),
-    ("lora det", 16384, 256, 8, 64, 16),
+    ("lora det", 16384, 256, 8, 64, 16), ("base", 1024, 512, 10, 64, None),
+    ("base det", 1024, 512, 10, 64, None), ("base det", 256, 512, 10, 16, None),
 ]
 STAGES = {0: ["entry", "rows+fill", "claim", "scan", "stores", "end"],
           1: ["entry", "rows", "claim", "flush", "ticket", "scan", "end", "det prefix"],
@@ -89,8 +90,10 @@ STAGES = {0: ["entry", "rows+fill", "claim", "scan", "stores", "end"],
           3: ["entry", "rows+fill", "claim", "staged", "barrier", "scan+adj", "end",
               "det barrier 1"],
           4: ["entry", "rows", "fill", "claim+barrier", "remote reads", "scan", "stores", "end"],
-          5: ["entry", "warps", "range", "digits", "bitmap", "end", "loads", "counted"]}
-KERNEL = {0: "single", 1: "count", 2: "place", 3: "coop", 4: "cluster", 5: "order"}
+          5: ["entry", "warps", "range", "digits", "bitmap", "end", "loads", "counted"],
+          6: ["ranked", "prefix"]}
+KERNEL = {0: "single", 1: "count", 2: "place", 3: "coop", 4: "cluster", 5: "order",
+          6: "cl det"}
 SLOTS = len(KERNEL)  # kernels/align_common.cuh: mla_probe's kernel slots
 
 
@@ -192,7 +195,9 @@ def stamps(stream):
             if not blocks:
                 continue
             names = STAGES[k]
-            clk = {s: [b[k, blk, s, 0] - b[k, blk, 0, 0] for blk in blocks if b[k, blk, s, 0]]
+            # Cycles from the block's entry (slot 6 stamps inside the cluster kernel: its).
+            entry = b[4] if k == 6 else b[k]
+            clk = {s: [b[k, blk, s, 0] - entry[blk, 0, 0] for blk in blocks if b[k, blk, s, 0]]
                    for s in range(len(names))}
             gt = {s: [b[k, blk, s, 1] - t0 for blk in blocks if b[k, blk, s, 1]]
                   for s in range(len(names))}

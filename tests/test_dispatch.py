@@ -563,7 +563,7 @@ def test_deterministic_cluster_holds_its_warp_counters(numel, buckets, rows):
     counters = 2 * (launch.block // 32) * (buckets + buckets % 2)
     assert launch.smem_place == d.smem_cluster(buckets, rows) + counters
     d.check_launch(launch, numel, [(buckets, rows)], H200)
-    if d.in_cluster_range(numel, buckets, d.DEFAULT_POLICY):
+    if d.in_cluster_range(numel, buckets, d.DEFAULT_POLICY, deterministic=True):
         assert d.choose_launch(numel, buckets, rows, H200, deterministic=True) == launch
 
 
