@@ -262,6 +262,44 @@ __device__ __forceinline__ int claim_in_lane_order(unsigned short* counter, int 
   return bucket >= 0 ? base + __popc(peers & lanemask_lt()) : -1;
 }
 
+// claim_in_lane_order for the N routes a lane holds in registers (route j of lane l comes after
+// route j of the lanes before l and before route j + 1 of lane 0), the first `items` of them
+// holding routes (warp-uniform). The lanes sharing each route's bucket are found for every j
+// first: those ballots do not depend on each other, so they are in flight together. Then the
+// leaders advance the counters j by j (a shared load and store each), and the ranks come back
+// through one shuffle a route. Every lane of the warp calls it; bucket < 0 is inactive.
+template <int N>
+__device__ __forceinline__ void rank_items_in_lane_order(unsigned short* counter,
+                                                         const int (&bucket)[N], int items,
+                                                         int nbits, int (&rank)[N]) {
+  const int lane = threadIdx.x & 31;
+  unsigned peers[N];
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    peers[j] = 0u;
+    if (j < items)
+      peers[j] = same_bucket_lanes(__ballot_sync(MLA_FULL_MASK, bucket[j] >= 0), bucket[j], nbits);
+  }
+  int base[N];
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    base[j] = 0;
+    if (j >= items) continue;
+    __syncwarp();  // the previous route's leader writes before these reads
+    if (bucket[j] >= 0 && lane == __ffs(peers[j]) - 1) {
+      base[j] = counter[bucket[j]];
+      counter[bucket[j]] = (unsigned short)(base[j] + __popc(peers[j]));
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    rank[j] = -1;
+    if (j >= items) continue;
+    const int b = __shfl_sync(MLA_FULL_MASK, base[j], (__ffs(peers[j]) - 1) & 31);
+    if (bucket[j] >= 0) rank[j] = b + __popc(peers[j] & lanemask_lt());
+  }
+}
+
 // Fill rows [rows, pitch] of `base` with `value` in [0, len), skipping rows not written.
 // 16-byte stores where alignment allows; never touches [len, pitch). Row r starts at thread
 // r * units mod nthreads, so the rows spread over all threads (all blocks) as one flat range
@@ -318,6 +356,27 @@ __device__ __forceinline__ int prefix_over_warps(unsigned short* column, int str
 #pragma unroll
     for (int u = 0; u < 8; ++u) {
       if (w0 + u < warps) column[(w0 + u) * stride] = (unsigned short)run;
+      run += c[u];
+    }
+  }
+  return run;
+}
+
+// prefix_over_warps for two buckets at once: the counters of buckets 2k and 2k + 1 share the
+// 32-bit word k of each warp's row (`stride_words` apart), and one 32-bit add advances both
+// halves, since no bucket's prefix reaches 65536 (WARP_COUNTER_MAX bounds a chunk). Column k
+// becomes the exclusive prefixes; the two totals come back packed the same way.
+__device__ __forceinline__ unsigned prefix_over_warps_x2(unsigned* column, int stride_words,
+                                                         int warps) {
+  unsigned run = 0;
+#pragma unroll 1
+  for (int w0 = 0; w0 < warps; w0 += 8) {
+    unsigned c[8];
+#pragma unroll
+    for (int u = 0; u < 8; ++u) c[u] = w0 + u < warps ? column[(w0 + u) * stride_words] : 0u;
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      if (w0 + u < warps) column[(w0 + u) * stride_words] = run;
       run += c[u];
     }
   }

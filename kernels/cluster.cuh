@@ -113,14 +113,20 @@ __device__ __forceinline__ void align_in_cluster(const Problem& p) {
     const int i = first + j * step;
     bucket[j] = bucket_of(p, route[j], processed);
     if (p.scatter_idx != nullptr && i < end) p.scatter_idx[i] = bucket[j] >= 0 ? i : -1;
-    rank_in_block[j] = DET ? claim_in_lane_order(mine, bucket[j], bucket_bits(nb))
-                           : claim(hist, bucket[j]);
+    if (!DET) rank_in_block[j] = claim(hist, bucket[j]);
   }
   if (DET) {
+    rank_items_in_lane_order(mine, bucket, (run.hi - run.lo + 31) >> 5, bucket_bits(nb),
+                             rank_in_block);
     // Each warp's counter := routes of the warps before it; hist := the block's count.
     __syncthreads();
     MLA_STAMP(6, 0);
-    for (int b = tid; b < nb; b += bd) hist[b] = prefix_over_warps(warp_counts + b, stride, nwarps);
+    for (int k = tid; 2 * k < nb; k += bd) {
+      const unsigned both = prefix_over_warps_x2(reinterpret_cast<unsigned*>(warp_counts) + k,
+                                                 stride / 2, nwarps);
+      hist[2 * k] = (int)(both & 0xffffu);
+      if (2 * k + 1 < nb) hist[2 * k + 1] = (int)(both >> 16);
+    }
     __syncthreads();
     MLA_STAMP(6, 1);
 #pragma unroll
