@@ -262,44 +262,6 @@ __device__ __forceinline__ int claim_in_lane_order(unsigned short* counter, int 
   return bucket >= 0 ? base + __popc(peers & lanemask_lt()) : -1;
 }
 
-// claim_in_lane_order for the N routes a lane holds in registers (route j of lane l comes after
-// route j of the lanes before l and before route j + 1 of lane 0), the first `items` of them
-// holding routes (warp-uniform). The lanes sharing each route's bucket are found for every j
-// first: those ballots do not depend on each other, so they are in flight together. Then the
-// leaders advance the counters j by j (a shared load and store each), and the ranks come back
-// through one shuffle a route. Every lane of the warp calls it; bucket < 0 is inactive.
-template <int N>
-__device__ __forceinline__ void rank_items_in_lane_order(unsigned short* counter,
-                                                         const int (&bucket)[N], int items,
-                                                         int nbits, int (&rank)[N]) {
-  const int lane = threadIdx.x & 31;
-  unsigned peers[N];
-#pragma unroll
-  for (int j = 0; j < N; ++j) {
-    peers[j] = 0u;
-    if (j < items)
-      peers[j] = same_bucket_lanes(__ballot_sync(MLA_FULL_MASK, bucket[j] >= 0), bucket[j], nbits);
-  }
-  int base[N];
-#pragma unroll
-  for (int j = 0; j < N; ++j) {
-    base[j] = 0;
-    if (j >= items) continue;
-    __syncwarp();  // the previous route's leader writes before these reads
-    if (bucket[j] >= 0 && lane == __ffs(peers[j]) - 1) {
-      base[j] = counter[bucket[j]];
-      counter[bucket[j]] = (unsigned short)(base[j] + __popc(peers[j]));
-    }
-  }
-#pragma unroll
-  for (int j = 0; j < N; ++j) {
-    rank[j] = -1;
-    if (j >= items) continue;
-    const int b = __shfl_sync(MLA_FULL_MASK, base[j], (__ffs(peers[j]) - 1) & 31);
-    if (bucket[j] >= 0) rank[j] = b + __popc(peers[j] & lanemask_lt());
-  }
-}
-
 // Fill rows [rows, pitch] of `base` with `value` in [0, len), skipping rows not written.
 // 16-byte stores where alignment allows; never touches [len, pitch). Row r starts at thread
 // r * units mod nthreads, so the rows spread over all threads (all blocks) as one flat range

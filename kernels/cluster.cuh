@@ -113,11 +113,10 @@ __device__ __forceinline__ void align_in_cluster(const Problem& p) {
     const int i = first + j * step;
     bucket[j] = bucket_of(p, route[j], processed);
     if (p.scatter_idx != nullptr && i < end) p.scatter_idx[i] = bucket[j] >= 0 ? i : -1;
-    if (!DET) rank_in_block[j] = claim(hist, bucket[j]);
+    rank_in_block[j] = DET ? claim_in_lane_order(mine, bucket[j], bucket_bits(nb))
+                           : claim(hist, bucket[j]);
   }
   if (DET) {
-    rank_items_in_lane_order(mine, bucket, (run.hi - run.lo + 31) >> 5, bucket_bits(nb),
-                             rank_in_block);
     // Each warp's counter := routes of the warps before it; hist := the block's count.
     __syncthreads();
     MLA_STAMP(6, 0);

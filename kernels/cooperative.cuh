@@ -144,11 +144,15 @@ __device__ __forceinline__ void align_cooperatively(const Problem& p, int block,
     MLA_STAMP(3, 2);
     // Per bucket: each warp's counter := routes of the warps before it; hist := block total,
     // published for the prefix over blocks, and added to the bucket's total.
-    for (int b = threadIdx.x; b < nb; b += blockDim.x) {
-      const int run = prefix_over_warps(warp_counts + b, stride, nwarps);
-      hist[b] = run;
-      p.chunk_hist[(long long)block * nb + b] = run;
-      if (run != 0) atomicAdd(counts + b, run);
+    for (int k = threadIdx.x; 2 * k < nb; k += blockDim.x) {
+      const unsigned both = prefix_over_warps_x2(reinterpret_cast<unsigned*>(warp_counts) + k,
+                                                 stride / 2, nwarps);
+      for (int b = 2 * k; b < min(nb, 2 * k + 2); ++b) {
+        const int run = (int)((both >> (16 * (b & 1))) & 0xffffu);
+        hist[b] = run;
+        p.chunk_hist[(long long)block * nb + b] = run;
+        if (run != 0) atomicAdd(counts + b, run);
+      }
     }
     __syncthreads();
   }
