@@ -244,11 +244,12 @@ __global__ void __launch_bounds__(1024, 1) align_cooperative(const Problem p) {
 }
 
 // Base and LoRA alignment in one cooperative launch: the first `first.coop_blocks` blocks
-// align `first`, the rest `second`; each side has its own scratch and barrier.
-template <typename IdT>
+// align `first`, the rest `second`; each side has its own scratch and barriers, and its own
+// DET argument (deterministic: ordered ranks or sorted segments, as its own launch would).
+template <typename IdT, int DET_FIRST, int DET_SECOND>
 __global__ void __launch_bounds__(1024, 1) align_cooperative_pair(const Problem first,
                                                                const Problem second) {
   const int split = first.coop_blocks;
-  if ((int)blockIdx.x < split) align_cooperatively<IdT, COOP_FREE>(first, blockIdx.x, split);
-  else align_cooperatively<IdT, COOP_FREE>(second, blockIdx.x - split, gridDim.x - split);
+  if ((int)blockIdx.x < split) align_cooperatively<IdT, DET_FIRST>(first, blockIdx.x, split);
+  else align_cooperatively<IdT, DET_SECOND>(second, blockIdx.x - split, gridDim.x - split);
 }

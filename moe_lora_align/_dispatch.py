@@ -554,7 +554,8 @@ def _room(smem: int, limits: DeviceLimits) -> bool:
 
 @dataclass(frozen=True)
 class CooperativePair:
-    """Base and LoRA in one cooperative launch: ``base.grid`` blocks, then ``lora.grid``."""
+    """Base and LoRA in one cooperative launch: ``base.grid`` blocks, then ``lora.grid``;
+    deterministic, each side its own way (ordered ranks or sorted segments)."""
     base: Launch
     lora: Launch
     smem: int                 # dynamic shared bytes: the larger side's
@@ -565,16 +566,33 @@ class CooperativePair:
 
     @property
     def deterministic(self) -> bool:
-        return False
+        return self.base.deterministic
+
+    @property
+    def modes(self) -> Tuple[int, int]:
+        """The kernel's DET arguments of the two sides (COOP_FREE, _ORDERED or _SORTED)."""
+        return coop_mode(self.base), coop_mode(self.lora)
+
+
+def coop_mode(launch: Launch) -> int:
+    """align_cooperative's DET argument: 0 free order, 1 ordered ranks, 2 sorted segments."""
+    return 2 if launch.sorted else int(launch.deterministic)
+
+
+# The cooperative pair kernel's instances, (base, LoRA) DET arguments: base has the fewer
+# buckets, so it never sorts where LoRA ranks in order (kernels/cooperative.cuh).
+COOP_PAIR_MODES = ((0, 0), (1, 1), (1, 2), (2, 2))
 
 
 def choose_cooperative_pair(numel: int, base_buckets: int, lora_buckets: int, rows: int,
                             limits: DeviceLimits, *, base_entries: int = 0,
-                            lora_entries: int = 0, policy: AlignPolicy = DEFAULT_POLICY):
+                            lora_entries: int = 0, deterministic: bool = False,
+                            policy: AlignPolicy = DEFAULT_POLICY):
     """Both alignments in one cooperative launch, the SMs split between them, or ``None``
     where either side cannot run in its share. The base side gets enough blocks for about
     four routes a thread (it has little to fill), at most half the SMs; LoRA the rest (its
-    rows' sentinel fill is most of the bytes)."""
+    rows' sentinel fill is most of the bytes). Deterministic: each side the way its own
+    launch would take (``_cooperative``)."""
     if not limits.cooperative or limits.sm_count < 2:
         return None
     fewest = max(1, _ceil_div(numel, COOP_ITEMS * BLOCK))
@@ -584,11 +602,12 @@ def choose_cooperative_pair(numel: int, base_buckets: int, lora_buckets: int, ro
                                    (limits.sm_count - base_blocks, lora_buckets, rows,
                                     lora_entries)):
         side = _cooperative(numel, nb, r, DeviceLimits(blocks, limits.smem_optin, True),
-                            entries, policy=policy)
+                            entries, deterministic, policy=policy)
         if side is None:
             return None
         sides.append(side)
-    return CooperativePair(sides[0], sides[1], max(s.smem_place for s in sides))
+    pair = CooperativePair(sides[0], sides[1], max(s.smem_place for s in sides))
+    return pair if pair.modes in COOP_PAIR_MODES else None
 
 
 def choose_pair(numel: int, base_buckets: int, lora_buckets: int, rows: int,
@@ -649,7 +668,7 @@ def kernel_demands(launch, numel: int, sides) -> list:
     kernel that ``launch`` issues; ``sides`` lists ``(num_buckets, rows)`` of each alignment
     the launch serves (one, or base and LoRA for a fused pair)."""
     if isinstance(launch, CooperativePair):
-        need = max(smem_cooperative(nb, r, side.chunk, False)
+        need = max(smem_cooperative(nb, r, side.chunk, side.deterministic, numel, side.sorted)
                    for (nb, r), side in zip(sides, (launch.base, launch.lora)))
         return [("cooperative_pair", launch.grid, BLOCK, launch.smem, need)]
     if launch.kind == "single":

@@ -16,7 +16,7 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-from ._dispatch import SMEM_SLACK
+from ._dispatch import COOP_PAIR_MODES, SMEM_SLACK
 
 MAIN_SOURCE = "align_kernels.cu"
 
@@ -110,7 +110,8 @@ def kernel_names(dtype) -> dict:
         names[("cooperative", mode)] = f"align_cooperative<{t}, {mode}>"
         names[("count", mode)] = f"align_count<{t}, {mode}>"
         names[("place", mode)] = f"align_place<{t}, {mode}>"
-    names[("cooperative_pair", 0)] = f"align_cooperative_pair<{t}>"
+    for modes in COOP_PAIR_MODES:  # (base, LoRA) DET arguments
+        names[("cooperative_pair", modes)] = f"align_cooperative_pair<{t}, {modes[0]}, {modes[1]}>"
     names[("order", False)] = f"align_order<{t}>"
     return names
 

@@ -353,8 +353,7 @@ def launch_one(job: Job, launch: _dispatch.Launch, ws: Workspace, stream, device
         key = ("tiny" if launch.tiny else "single", launch.deterministic)
         launch_kernel(ks, key, launch.grid, launch.block, launch.smem_single, stream, job)
     elif launch.kind == "cooperative":
-        mode = 2 if launch.sorted else int(launch.deterministic)  # COOP_FREE / _ORDERED / _SORTED
-        launch_kernel(ks, ("cooperative", mode), launch.grid, launch.block,
+        launch_kernel(ks, ("cooperative", _dispatch.coop_mode(launch)), launch.grid, launch.block,
                       launch.smem_place, stream, job, cooperative=True)
     elif launch.kind == "cluster":
         launch_kernel(ks, ("cluster", launch.deterministic), launch.grid, launch.block,
@@ -386,12 +385,12 @@ def launch_pair(base: Job, lora: Job, launch, ws_base: Workspace, ws_lora: Works
     ks = kernels_for(base.topk_ids.dtype, device_id,
                      device_limits(device_id).smem_optin)
     if isinstance(launch, _dispatch.CooperativePair):
-        ws_base.ensure(base.num_buckets, 0, stream)
-        ws_lora.ensure(lora.num_buckets, 0, stream)
+        ws_base.ensure(*workspace_needs(launch.base, base.num_buckets), stream)
+        ws_lora.ensure(*workspace_needs(launch.lora, lora.num_buckets), stream)
         pack(base, launch.base, ws_base)
         pack(lora, launch.lora, ws_lora)
-        launch_kernel(ks, ("cooperative_pair", 0), launch.grid, _dispatch.BLOCK, launch.smem,
-                      stream, base, lora, cooperative=True)
+        launch_kernel(ks, ("cooperative_pair", launch.modes), launch.grid, _dispatch.BLOCK,
+                      launch.smem, stream, base, lora, cooperative=True)
         return
     ws_base.ensure(1, 0, stream)
     ws_lora.ensure(1, 0, stream)
@@ -408,9 +407,13 @@ def launch_pair(base: Job, lora: Job, launch, ws_base: Workspace, ws_lora: Works
 def pair_ready(pair, base: Job, lora: Job, ws_base: Workspace, ws_lora: Workspace,
                device_id: int) -> bool:
     """True when the fused launch ``pair`` would allocate nothing and load no kernel."""
-    need_b, need_l = ((base.num_buckets, lora.num_buckets)
-                      if isinstance(pair, _dispatch.CooperativePair) else (1, 1))
-    return (ws_base.buckets >= need_b and ws_lora.buckets >= need_l
+    if isinstance(pair, _dispatch.CooperativePair):
+        needs = (workspace_needs(pair.base, base.num_buckets),
+                 workspace_needs(pair.lora, lora.num_buckets))
+    else:
+        needs = ((1, 0), (1, 0))
+    return (all(ws.buckets >= nb and ws.matrix >= nm
+                for ws, (nb, nm) in zip((ws_base, ws_lora), needs))
             and kernels_loaded(base.topk_ids.dtype, device_id))
 
 
@@ -480,16 +483,17 @@ def choose_streams(base: Job, lora: Job, device_id: int, streams=None, variant=N
                                      limits, deterministic=base.deterministic,
                                      out_entries=out_entries(lora),
                                      prefer_cooperative=variant is None, policy=policy)
-    if pair is None and variant in (None, "cooperative") and not base.deterministic:
+    if pair is None and variant in (None, "cooperative"):
         pair = _dispatch.choose_cooperative_pair(
             base.numel, base.num_buckets, lora.num_buckets, lora.rows, limits,
-            base_entries=out_entries(base), lora_entries=out_entries(lora), policy=policy)
+            base_entries=out_entries(base), lora_entries=out_entries(lora),
+            deterministic=base.deterministic, policy=policy)
     if streams == "fused" and pair is None:
         raise ValueError("streams='fused' needs both alignments in one launch: one block "
                          f"each (at most {_dispatch.SINGLE_BLOCK_MAX_ROUTES} routes and a "
-                         "shared histogram of every bucket) or one cooperative launch (not "
-                         "deterministic, both sides' routes and buckets within its resident "
-                         "blocks) or two clusters (sm_90 and newer); use "
+                         "shared histogram of every bucket) or one cooperative launch (both "
+                         "sides' routes and buckets within its resident blocks) or two "
+                         "clusters (sm_90 and newer); use "
                          "streams='two' or None")
     if streams is None:
         streams = "fused" if pair is not None else "two"

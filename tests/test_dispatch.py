@@ -13,6 +13,7 @@ NO_COOP = d.DeviceLimits(sm_count=132, smem_optin=232448, cooperative=False)
 NO_CLUSTERS = d.DeviceLimits(sm_count=132, smem_optin=232448, cooperative=True)
 # Deterministic calls through the kernels' own ordered ranks (no align_order after them).
 ORDERED = dataclasses.replace(d.DEFAULT_POLICY, sort_for_determinism=False)
+SORTED = dataclasses.replace(d.DEFAULT_POLICY, sort_min_buckets=0)
 
 
 @pytest.mark.parametrize("numel,buckets,rows,limits,det,variant,expect", [
@@ -362,6 +363,33 @@ def test_cooperative_pair_splits_the_sms(numel, base_blocks, lora_blocks):
         assert side.kind == "cooperative" and side.grid * side.chunk >= numel
         assert side.chunk <= d.COOP_ITEMS * d.BLOCK and side.smem_place <= pair.smem
     assert pair.smem <= H200.smem_optin
+
+
+@pytest.mark.parametrize("numel,experts,rows,policy,modes", [
+    (4096 * 8, 256, 16, d.DEFAULT_POLICY, (1, 2)),   # base ordered ranks, LoRA sorted
+    (16384 * 8, 256, 16, d.DEFAULT_POLICY, (1, 2)),
+    (4096 * 6, 64, 4, d.DEFAULT_POLICY, (1, 1)),     # 256 LoRA buckets: both ordered
+    (4096 * 8, 256, 16, SORTED, (2, 2)),
+    (4096 * 8, 256, 16, ORDERED, (1, 2)),            # LoRA's per-warp counters do not fit
+])
+def test_deterministic_cooperative_pair_takes_each_sides_way(numel, experts, rows, policy,
+                                                             modes):
+    """Deterministic base + LoRA in one cooperative launch: each side ranks in order or
+    sorts its segments as its own cooperative launch would, on its share of the SMs; the
+    kernel has an instance for every pair of ways this gives."""
+    sides = [(experts, 1), (rows * experts, rows)]
+    pair = d.choose_cooperative_pair(numel, experts, rows * experts, rows, H200,
+                                     deterministic=True, policy=policy)
+    assert pair.deterministic and pair.modes == modes and modes in d.COOP_PAIR_MODES
+    for side, (nb, r) in zip((pair.base, pair.lora), sides):
+        alone = d._cooperative(numel, nb, r, d.DeviceLimits(side.grid, H200.smem_optin, True),
+                               0, True, policy)
+        assert (side.sorted, side.deterministic) == (alone.sorted, True)
+        assert side.smem_place == d.smem_cooperative(nb, r, side.chunk, True, numel,
+                                                     side.sorted)
+    d.check_launch(pair, numel, sides, H200)
+    free = d.choose_cooperative_pair(numel, experts, rows * experts, rows, H200)
+    assert free.modes == (0, 0) and not free.deterministic
 
 
 def test_cooperative_pair_declines_what_it_cannot_hold():

@@ -573,3 +573,38 @@ def test_order_pair(streams):
     for g_side, r_side in zip(got, ref):
         for g, r in zip(g_side, r_side):
             np.testing.assert_array_equal(g.get(), np.asarray(r))
+
+
+# Deterministic base + LoRA in one cooperative launch, each side ranking in order or sorting
+# its segments (every instance of the pair kernel), against the NumPy backend exactly; skewed
+# routing, disabled slots, sizes from one block's routes to the most the launch holds.
+@pytest.mark.parametrize("policy", ["default", "sorted"])
+@pytest.mark.parametrize("T,E,K,L", [(4096, 256, 8, 16), (16384, 256, 8, 16), (4096, 64, 6, 4),
+                                     (1537, 128, 8, 4), (65536, 256, 8, 2)])
+@pytest.mark.parametrize("kind", ["uniform", "skewed"])
+def test_cooperative_pair_deterministic(T, E, K, L, kind, policy):
+    pol = mla.AlignPolicy(sort_min_buckets=0) if policy == "sorted" else mla.AlignPolicy()
+    limits = mla._launch.device_limits(0)
+    pair = mla._dispatch.choose_cooperative_pair(T * K, E, L * E, L, limits,
+                                                 deterministic=True, policy=pol)
+    if pair is None:
+        pytest.skip("no deterministic cooperative pair for these sizes")
+    rng = np.random.default_rng(T + E + L)
+    ids = make_routing(rng, T, K, E, np.int32, kind)
+    mapping, lora_ids, enabled = make_lora(rng, T, L, disabled=1)
+    kw = dict(lora_ids=lora_ids, adapter_enabled=enabled)
+    P, M = mla.buffer_sizes(T * K, E, 64)
+    ref = ([np.full(n, POISON, np.int32) for n in (P, M, 1)],  # rows not processed: unwritten
+           [np.full(sh, POISON, np.int32) for sh in ((L, P), (L, M), (L,))])
+    mla.align_moe_and_lora(ids, mapping, 64, E, L, out_base=ref[0], out_lora=ref[1], **kw)
+    base = [guarded([P], cupy), guarded([M], cupy), guarded([1], cupy)]
+    lora = [guarded([L, P], cupy), guarded([L, M], cupy), guarded([L], cupy)]
+    mla.align_moe_and_lora(cupy.asarray(ids), cupy.asarray(mapping), 64, E, L,
+                           deterministic=True, variant="cooperative", streams="fused",
+                           out_base=[v for _, v in base], out_lora=[v for _, v in lora],
+                           policy=pol, **{k: cupy.asarray(v) for k, v in kw.items()})
+    cupy.cuda.get_current_stream().synchronize()
+    for (w, v), r in zip(base + lora, list(ref[0]) + list(ref[1])):
+        w = w.get()
+        assert (w[:GUARD] == POISON).all() and (w[-GUARD:] == POISON).all()
+        np.testing.assert_array_equal(v.get(), np.asarray(r))
