@@ -46,8 +46,9 @@ __device__ __forceinline__ void blocks_barrier(unsigned* arrivals, unsigned bloc
 // DET == COOP_ORDERED: warp w of a block owns a contiguous run of the block's chunk; per-warp
 //   counters rank its routes in order (as in the single block), and the block's place among
 //   blocks comes from a prefix over blocks of every bucket's per-block counts (p.chunk_hist
-//   [blocks, nb]), computed between two barriers, instead of from the order in which the
-//   reservation atomics land. Adds after the staging: warp_counts[32 * stride] ushort,
+//   [nb, blocks]: a bucket's column contiguous, so a warp reads it in a few coalesced loads),
+//   computed between two barriers, instead of from the order in which the reservation
+//   atomics land. Adds after the staging: warp_counts[32 * stride] ushort,
 //   stride = nb rounded up to even.
 // DET == COOP_SORTED: the free-order kernel, then a second barrier, then the blocks sort every
 //   bucket's segment in place (order_segments, order.cuh), the segment starts already in each
@@ -150,7 +151,7 @@ __device__ __forceinline__ void align_cooperatively(const Problem& p, int block,
       for (int b = 2 * k; b < min(nb, 2 * k + 2); ++b) {
         const int run = (int)((both >> (16 * (b & 1))) & 0xffffu);
         hist[b] = run;
-        p.chunk_hist[(long long)block * nb + b] = run;
+        p.chunk_hist[(long long)b * blocks + block] = run;
         if (run != 0) atomicAdd(counts + b, run);
       }
     }
@@ -184,16 +185,26 @@ __device__ __forceinline__ void align_cooperatively(const Problem& p, int block,
   if (DET == COOP_ORDERED) {
     MLA_STAMP(3, 7);
     // Each warp of the grid turns one bucket's column of per-block counts into exclusive
-    // prefixes (in block order), then a second barrier publishes them.
-    for (int b = block * nwarps + warp; b < nb; b += blocks * nwarps) {
+    // prefixes (in block order), then a second barrier publishes them. Buckets go to the
+    // blocks in turn (warp w of block j: bucket w * blocks + j), and a warp's loads of 128
+    // blocks' counts are in flight together.
+    for (int b = warp * blocks + block; b < nb; b += blocks * nwarps) {
+      int* column = p.chunk_hist + (long long)b * blocks;
       int carry = 0;
-      for (int j0 = 0; j0 < blocks; j0 += 32) {
-        const int j = j0 + lane;
-        const long long at = (long long)j * nb + b;
-        const int v = j < blocks ? __ldcg(p.chunk_hist + at) : 0;
-        const int x = warp_inclusive_sum(v);
-        if (j < blocks) p.chunk_hist[at] = carry + x - v;
-        carry += __shfl_sync(MLA_FULL_MASK, x, 31);
+      for (int j0 = 0; j0 < blocks; j0 += 128) {
+        int v[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const int j = j0 + 32 * u + lane;
+          v[u] = j < blocks ? __ldcg(column + j) : 0;
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const int j = j0 + 32 * u + lane;
+          const int x = warp_inclusive_sum(v[u]);
+          if (j < blocks) column[j] = carry + x - v[u];
+          carry += __shfl_sync(MLA_FULL_MASK, x, 31);
+        }
       }
     }
     blocks_barrier(ctrl + 4 + parity, 2u * (unsigned)blocks);
@@ -202,7 +213,7 @@ __device__ __forceinline__ void align_cooperatively(const Problem& p, int block,
 
   for (int b = threadIdx.x; b < nb; b += blockDim.x) {
     starts[b] = __ldcg(counts + b);
-    if (DET == COOP_ORDERED && hist[b + 1] != hist[b]) adj[b] = __ldcg(p.chunk_hist + (long long)block * nb + b);
+    if (DET == COOP_ORDERED && hist[b + 1] != hist[b]) adj[b] = __ldcg(p.chunk_hist + (long long)b * blocks + block);
   }
   __syncthreads();
   scan_padded_counts(p, nb, [&](int b) { return starts[b]; }, starts, warp_sums);
