@@ -69,14 +69,16 @@ __device__ __forceinline__ void align_cooperatively(const Problem& p, int block,
   const int stride = (nb + 1) & ~1;
   unsigned short* warp_counts = reinterpret_cast<unsigned short*>(bucket_of_k + p.chunk);
   const int c0 = min(p.numel, block * p.chunk), c1 = min(p.numel, c0 + p.chunk);
+  // Route j of this thread: strided over the block, or (COOP_ORDERED) over the warp's run.
+  const Span span = warp_span(c0, c1, warp, nwarps);
+  const bool runs = DET == COOP_ORDERED;
+  const int first = runs ? span.lo + lane : c0 + threadIdx.x;
+  const int step = runs ? 32 : (int)blockDim.x, end = runs ? span.hi : c1;
   MLA_STAMP(3, 0);
 
   Route route[COOP_ITEMS];  // in flight during the set-up below
-  if (DET != COOP_ORDERED) {
 #pragma unroll
-    for (int j = 0; j < COOP_ITEMS; ++j)
-      route[j] = load_route<IdT>(p, c0 + j * blockDim.x + threadIdx.x, c1);
-  }
+  for (int j = 0; j < COOP_ITEMS; ++j) route[j] = load_route<IdT>(p, first + j * step, end);
   unsigned* ctrl = p.ticket;
   const uint4 words = __ldcg(reinterpret_cast<const uint4*>(ctrl));
   const int parity = (int)(words.x & 1u);
@@ -98,18 +100,16 @@ __device__ __forceinline__ void align_cooperatively(const Problem& p, int block,
 
   int bucket[COOP_ITEMS], rank[COOP_ITEMS];
   int reserved[COOP_RESERVE];
-  // COOP_ORDERED: warp w's run of the chunk.
-  const Span span = warp_span(c0, c1, warp, nwarps);
-  const int lo = span.lo, hi = span.hi;
   unsigned short* mine = warp_counts + warp * stride;
-  if (DET != COOP_ORDERED) {
 #pragma unroll
-    for (int j = 0; j < COOP_ITEMS; ++j) {
-      const int i = c0 + j * blockDim.x + threadIdx.x;
-      bucket[j] = bucket_of(p, route[j], processed);
-      if (p.scatter_idx != nullptr && i < c1) p.scatter_idx[i] = bucket[j] >= 0 ? i : -1;
-      rank[j] = claim(hist, bucket[j]);
-    }
+  for (int j = 0; j < COOP_ITEMS; ++j) {
+    const int i = first + j * step;
+    bucket[j] = bucket_of(p, route[j], processed);
+    if (p.scatter_idx != nullptr && i < end) p.scatter_idx[i] = bucket[j] >= 0 ? i : -1;
+    // COOP_ORDERED: the rank among the warp's routes of the bucket, in flat order.
+    rank[j] = runs ? claim_in_lane_order(mine, bucket[j], bucket_bits(nb)) : claim(hist, bucket[j]);
+  }
+  if (DET != COOP_ORDERED) {
     __syncthreads();
     MLA_STAMP(3, 2);
     // Reserve the block's range in each of its buckets. The first COOP_RESERVE buckets of
@@ -136,11 +136,6 @@ __device__ __forceinline__ void align_cooperatively(const Problem& p, int block,
         if (b0 + u * blockDim.x < nb) adj[b0 + u * blockDim.x] = more[u];
     }
   } else {
-    for_routes<IdT>(p, lo + lane, 32, hi, [&](int i, Route r) {
-      const int b = bucket_of(p, r, processed);
-      if (p.scatter_idx != nullptr && i < hi) p.scatter_idx[i] = b >= 0 ? i : -1;
-      claim(mine, b);  // totals only: order does not matter here
-    });
     __syncthreads();
     MLA_STAMP(3, 2);
     // Per bucket: each warp's counter := routes of the warps before it; hist := block total,
@@ -159,26 +154,19 @@ __device__ __forceinline__ void align_cooperatively(const Problem& p, int block,
   }
   // hist := the block's own offsets of each bucket (exclusive), hist[nb] := its route count.
   scan_block(nb, [&](int b) { return hist[b]; }, hist, warp_sums);
-  if (DET != COOP_ORDERED) {
+  // Stage the routes in output order: rank in the block (COOP_ORDERED: the warps before this
+  // one, then the rank in the warp) after the block's offset of the bucket.
 #pragma unroll
-    for (int j = 0; j < COOP_ITEMS; ++j) {
-      if (bucket[j] < 0) continue;
-      const int k = hist[bucket[j]] + rank[j];
-      value[k] = c0 + j * blockDim.x + threadIdx.x;
-      bucket_of_k[k] = bucket[j];
-    }
+  for (int j = 0; j < COOP_ITEMS; ++j) {
+    if (bucket[j] < 0) continue;
+    const int k = hist[bucket[j]] + rank[j] + (runs ? (int)mine[bucket[j]] : 0);
+    value[k] = first + j * step;
+    bucket_of_k[k] = bucket[j];
+  }
+  if (DET != COOP_ORDERED) {
 #pragma unroll
     for (int u = 0; u < COOP_RESERVE; ++u)
       if (threadIdx.x + u * blockDim.x < nb) adj[threadIdx.x + u * blockDim.x] = reserved[u];
-  } else {
-    for_routes<IdT>(p, lo + lane, 32, hi, [&](int i, Route r) {
-      const int b = bucket_of(p, r, processed);
-      const int k = claim_in_lane_order(mine, b, bucket_bits(nb));  // rank in the block, flat order
-      if (b >= 0) {
-        value[hist[b] + k] = i;
-        bucket_of_k[hist[b] + k] = b;
-      }
-    });
   }
   MLA_STAMP(3, 3);
   blocks_barrier(ctrl + 4 + parity, (unsigned)blocks);
