@@ -155,7 +155,10 @@ __device__ void sort_by_bitmap(const Problem& p, int* seg, int n, unsigned* bits
 // the sort's shared memory (order_scratch_bytes). Every thread calls it.
 __device__ void order_segments(const Problem& p, const int* starts, int block, int blocks,
                                int* scratch, int* warp_sums) {
-  __shared__ int long_bucket[32], num_long;  // the round's long segments, by bucket
+  // The round's long segments, by bucket; their count in turn in num_long[round & 1]: a round
+  // without long segments has no barrier after the count is read, so the next round's reset
+  // must not hit the word a slow thread may still read.
+  __shared__ int long_bucket[32], num_long[2];
   const int nb = num_buckets(p), E = p.num_experts;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
   auto segment = [&](int b, int* n) {  // the loads of a segment's bounds go out together
@@ -167,23 +170,24 @@ __device__ void order_segments(const Problem& p, const int* starts, int block, i
   unsigned* bits = reinterpret_cast<unsigned*>(scratch);
   unsigned* summary = bits + 32 * ((p.numel + 1023) >> 10);  // whole rounds of 32 words
   bool zeroed = false;
+  int turn = 0;
   MLA_STAMP(5, 0);
-  for (int first = 0; first < nb; first += blocks * nwarps) {
-    if (threadIdx.x == 0) num_long = 0;
+  for (int first = 0; first < nb; first += blocks * nwarps, turn ^= 1) {
+    if (threadIdx.x == 0) num_long[turn] = 0;
     __syncthreads();  // also: the previous round done with the shared memory
     const int b = first + warp * blocks + block;
     if (b < nb) {
       int n;
       int* seg = segment(b, &n);
       if (n > ORDER_WARP_MAX) {
-        if (lane == 0) long_bucket[atomicAdd(&num_long, 1)] = b;  // any order: independent
+        if (lane == 0) long_bucket[atomicAdd(&num_long[turn], 1)] = b;  // any order: independent
       } else if (n > 1) {
         sort_in_warp(seg, n, p.numel);
       }
     }
     __syncthreads();
     MLA_STAMP(5, 1);
-    const int longs = num_long;
+    const int longs = num_long[turn];
     for (int j = 0; j < longs; ++j) {
       int n;
       int* seg = segment(long_bucket[j], &n);
