@@ -580,8 +580,10 @@ def coop_mode(launch: Launch) -> int:
 
 
 # The cooperative pair kernel's instances, (base, LoRA) DET arguments: base has the fewer
-# buckets, so it never sorts where LoRA ranks in order (kernels/cooperative.cuh).
-COOP_PAIR_MODES = ((0, 0), (1, 1), (1, 2), (2, 2))
+# buckets, so it never sorts where LoRA ranks in order (kernels/cooperative.cuh). Both sides
+# sorting (a policy that sorts base too) has none: the device's NVRTC (CUDA 13.2) spilled
+# that instance (24 bytes), so such a pair runs on two streams.
+COOP_PAIR_MODES = ((0, 0), (1, 1), (1, 2))
 
 
 def choose_cooperative_pair(numel: int, base_buckets: int, lora_buckets: int, rows: int,

@@ -369,7 +369,6 @@ def test_cooperative_pair_splits_the_sms(numel, base_blocks, lora_blocks):
     (4096 * 8, 256, 16, d.DEFAULT_POLICY, (1, 2)),   # base ordered ranks, LoRA sorted
     (16384 * 8, 256, 16, d.DEFAULT_POLICY, (1, 2)),
     (4096 * 6, 64, 4, d.DEFAULT_POLICY, (1, 1)),     # 256 LoRA buckets: both ordered
-    (4096 * 8, 256, 16, SORTED, (2, 2)),
     (4096 * 8, 256, 16, ORDERED, (1, 2)),            # LoRA's per-warp counters do not fit
 ])
 def test_deterministic_cooperative_pair_takes_each_sides_way(numel, experts, rows, policy,
@@ -390,6 +389,11 @@ def test_deterministic_cooperative_pair_takes_each_sides_way(numel, experts, row
     d.check_launch(pair, numel, sides, H200)
     free = d.choose_cooperative_pair(numel, experts, rows * experts, rows, H200)
     assert free.modes == (0, 0) and not free.deterministic
+
+
+def test_cooperative_pair_has_no_instance_with_both_sides_sorted():
+    assert d.choose_cooperative_pair(4096 * 8, 256, 16 * 256, 16, H200, deterministic=True,
+                                     policy=SORTED) is None
 
 
 def test_cooperative_pair_declines_what_it_cannot_hold():

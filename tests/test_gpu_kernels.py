@@ -576,14 +576,14 @@ def test_order_pair(streams):
 
 
 # Deterministic base + LoRA in one cooperative launch, each side ranking in order or sorting
-# its segments (every instance of the pair kernel), against the NumPy backend exactly; skewed
-# routing, disabled slots, sizes from one block's routes to the most the launch holds.
-@pytest.mark.parametrize("policy", ["default", "sorted"])
+# its segments (the pair kernel's instances (1, 1) and (1, 2)), against the NumPy backend
+# exactly; skewed routing, disabled slots, sizes from one block's routes to the most the
+# launch holds.
 @pytest.mark.parametrize("T,E,K,L", [(4096, 256, 8, 16), (16384, 256, 8, 16), (4096, 64, 6, 4),
                                      (1537, 128, 8, 4), (65536, 256, 8, 2)])
 @pytest.mark.parametrize("kind", ["uniform", "skewed"])
-def test_cooperative_pair_deterministic(T, E, K, L, kind, policy):
-    pol = mla.AlignPolicy(sort_min_buckets=0) if policy == "sorted" else mla.AlignPolicy()
+def test_cooperative_pair_deterministic(T, E, K, L, kind):
+    pol = mla.AlignPolicy()
     limits = mla._launch.device_limits(0)
     pair = mla._dispatch.choose_cooperative_pair(T * K, E, L * E, L, limits,
                                                  deterministic=True, policy=pol)

@@ -92,10 +92,14 @@ def test_fused_decode_with_and_without_tiny(T, E, K, B, L):
         _check(base, lora, ids, mapping, lora_ids, enabled, B, E, L)
 
 
-def test_fused_prefill_has_no_deterministic_mode():
+def test_fused_refuses_a_deterministic_prefill_no_pair_kernel_holds():
+    """Deterministic prefill fuses into one cooperative launch (test_gpu_kernels:
+    test_cooperative_pair_deterministic), except where both sides would sort their
+    segments: no instance of the pair kernel does that, so streams='fused' refuses."""
     with pytest.raises(ValueError, match="fused"):
         mla.align_moe_and_lora(cupy.zeros((8192, 8), np.int32), cupy.zeros(8192, np.int32), 64,
-                               256, 16, streams="fused", deterministic=True)
+                               256, 16, streams="fused", deterministic=True,
+                               policy=mla.AlignPolicy(sort_min_buckets=0))
 
 
 @pytest.mark.parametrize("tiny", [True, False], ids=["tiny", "single"])
