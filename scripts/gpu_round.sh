@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # A GPU round in one run on the GPU machine; logs and JSON go to $OUT (or ./gpu-out).
 # Usage: scripts/gpu_round.sh STEP...   with the steps (in the order given):
-#   tests      the GPU test suite (the CUDA compile tests are CI's: skipped here)
+#   tests      the GPU test suite (the CUDA compile tests are CI's: skipped here); about 270 s,
+#              so a call with other steps may split it: tests_kernels (tests/test_gpu_kernels.py)
+#              and tests_rest (every other test), each with its own log
 #   fuzz       scripts/fuzz.py long mode (FUZZ_CASES, default 10000; FUZZ_SEED)
 #   memcheck racecheck synccheck initcheck
 #              compute-sanitizer over the GPU tests (SAN_FILES and SAN_K select; racecheck over
@@ -48,6 +50,13 @@ for s in $STEPS; do
       timeout ${TESTS_S:-420} python3 -m pytest tests -q -p no:cacheprovider \
         --ignore=tests/test_compile.py ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/tests.log" | tail -25
       echo "tests rc=${PIPESTATUS[0]}" ;;
+    tests_kernels|tests_rest)
+      step "GPU tests ($s)"
+      if [ "$s" = tests_kernels ]; then SEL="tests/test_gpu_kernels.py"
+      else SEL="tests --ignore=tests/test_gpu_kernels.py"; fi
+      timeout ${TESTS_S:-420} python3 -m pytest $SEL -q -p no:cacheprovider \
+        --ignore=tests/test_compile.py ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/$s.log" | tail -25
+      echo "$s rc=${PIPESTATUS[0]}" ;;
     fuzz)
       step "fuzz (long)"
       timeout ${FUZZ_S:-420} python3 scripts/fuzz.py --cases ${FUZZ_CASES:-10000} \
