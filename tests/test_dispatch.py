@@ -619,3 +619,22 @@ def test_check_launch_refuses_a_broken_cluster_launch():
                 dataclasses.replace(good, smem_place=good.smem_place - 4)):
         with pytest.raises(d.LaunchRefused, match="align_cluster"):
             d.check_launch(bad, 4096, [(256, 1)], H200)
+
+
+def test_every_cooperative_pair_the_dispatcher_gives_has_a_kernel():
+    """The launcher looks the pair kernel up by its sides' modes: no size, policy or mode the
+    dispatcher can pick may lack an instance (both sides sorting has none, so it is refused)."""
+    from moe_lora_align import _kernels
+
+    names = _kernels.kernel_names(np.int32)
+    seen = set()
+    for numel in (1, 4096 * 8, 16384 * 8, 65536 * 8):
+        for experts, rows in ((64, 4), (256, 16), (512, 16), (2048, 4)):
+            for det in (False, True):
+                for policy in (d.DEFAULT_POLICY, ORDERED, SORTED):
+                    pair = d.choose_cooperative_pair(numel, experts, rows * experts, rows, H200,
+                                                     deterministic=det, policy=policy)
+                    if pair is not None:
+                        assert ("cooperative_pair", pair.modes) in names
+                        seen.add(pair.modes)
+    assert seen == set(d.COOP_PAIR_MODES)
