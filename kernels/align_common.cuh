@@ -345,6 +345,27 @@ __device__ __forceinline__ unsigned prefix_over_warps_x2(unsigned* column, int s
   return run;
 }
 
+// Bucket and rank of each route a thread holds (route j at index first + j * step, up to
+// end), and its scatter_idx entry: ranks from `counts` in the order the hardware picks, or
+// (in_lane_order, the route runs of a warp) from the warp's own counters `mine`, in flat
+// order among `nb` buckets. Every lane of the warp calls it.
+template <int N>
+__device__ __forceinline__ void bucket_and_rank(const Problem& p, const Route (&route)[N],
+                                                int first, int step, int end,
+                                                const unsigned char* processed,
+                                                bool in_lane_order, int nb, int* counts,
+                                                unsigned short* mine, int (&bucket)[N],
+                                                int (&rank)[N]) {
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    const int i = first + j * step;
+    bucket[j] = bucket_of(p, route[j], processed);
+    if (p.scatter_idx != nullptr && i < end) p.scatter_idx[i] = bucket[j] >= 0 ? i : -1;
+    rank[j] = in_lane_order ? claim_in_lane_order(mine, bucket[j], bucket_bits(nb))
+                            : claim(counts, bucket[j]);
+  }
+}
+
 // Block-wide exclusive prefix of one value a thread: the sum of the values of the threads
 // before this one. warp_sums (32 ints) is read until the caller's next barrier. Every thread
 // calls it.

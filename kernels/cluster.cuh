@@ -108,14 +108,7 @@ __device__ __forceinline__ void align_in_cluster(const Problem& p) {
 
   int bucket[CLUSTER_ITEMS], rank_in_block[CLUSTER_ITEMS];
   unsigned short* mine = warp_counts + warp * stride;
-#pragma unroll
-  for (int j = 0; j < CLUSTER_ITEMS; ++j) {
-    const int i = first + j * step;
-    bucket[j] = bucket_of(p, route[j], processed);
-    if (p.scatter_idx != nullptr && i < end) p.scatter_idx[i] = bucket[j] >= 0 ? i : -1;
-    rank_in_block[j] = DET ? claim_in_lane_order(mine, bucket[j], bucket_bits(nb))
-                           : claim(hist, bucket[j]);
-  }
+  bucket_and_rank(p, route, first, step, end, processed, DET, nb, hist, mine, bucket, rank_in_block);
   if (DET) {
     // Each warp's counter := routes of the warps before it; hist := the block's count.
     __syncthreads();

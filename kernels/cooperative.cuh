@@ -101,14 +101,8 @@ __device__ __forceinline__ void align_cooperatively(const Problem& p, int block,
   int bucket[COOP_ITEMS], rank[COOP_ITEMS];
   int reserved[COOP_RESERVE];
   unsigned short* mine = warp_counts + warp * stride;
-#pragma unroll
-  for (int j = 0; j < COOP_ITEMS; ++j) {
-    const int i = first + j * step;
-    bucket[j] = bucket_of(p, route[j], processed);
-    if (p.scatter_idx != nullptr && i < end) p.scatter_idx[i] = bucket[j] >= 0 ? i : -1;
-    // COOP_ORDERED: the rank among the warp's routes of the bucket, in flat order.
-    rank[j] = runs ? claim_in_lane_order(mine, bucket[j], bucket_bits(nb)) : claim(hist, bucket[j]);
-  }
+  // COOP_ORDERED: the rank among the warp's routes of the bucket, in flat order.
+  bucket_and_rank(p, route, first, step, end, processed, runs, nb, hist, mine, bucket, rank);
   if (DET != COOP_ORDERED) {
     __syncthreads();
     MLA_STAMP(3, 2);
