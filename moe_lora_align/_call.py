@@ -14,12 +14,15 @@ from __future__ import annotations
 import contextlib
 import operator
 import threading
+from sys import getrefcount
+from weakref import getweakrefcount
 
 import numpy as np
 
 from . import _checks, _interop
 from ._dispatch import DEFAULT_POLICY, VARIANTS, AlignPolicy
-from ._launch import MAP_AFTER, MAP_BEFORE, MAP_NONE, POINTERS, Job, replay_launches
+from ._launch import (MAP_AFTER, MAP_BEFORE, MAP_NONE, POINTERS, Job, replay_form,
+                      replay_launches)
 from ._reference import align_rows, processed_rows
 from ._sizes import MAX_BUCKETS, buffer_sizes
 
@@ -323,7 +326,7 @@ class Prepared:
         self.kind, self.device_id = kind, device_id
         self.jobs = jobs              # packed arguments, one a job (base, lora or both)
         self.slots = slots            # per job: itemgetter of its nine pointers
-        self.launches = launches      # recorded launches; for "two": (first, second)
+        self.launches = launches      # replay_form of its launches; for "two": (first, second)
         self.mode, self.sides = mode, sides
         self.workspaces = workspaces  # ((workspace, generation), ...) the packing used
         self.out_layout = out_layout  # None (out= given) or the OutLayout to allocate
@@ -331,7 +334,10 @@ class Prepared:
         self.fixed = fixed            # AlignPlan: (its output pointers, its result views)
         self.framework_device = framework_device
         self.answer = None            # AlignPlan: its result tuples, the same every call
-        self.checked = None           # the last pointers found free of overlaps
+        # The pointers the packed arguments hold now (with out= given: found free of
+        # overlaps); a call with the same pointers packs nothing.
+        self.packed = None
+        self.spare = None             # CuPy outputs it may hand out again (Spare)
         self.lock = threading.Lock()  # one call at a time rewrites and launches
 
     def current(self) -> bool:
@@ -348,40 +354,52 @@ class Prepared:
         if self.fixed is not None:
             ptrs += self.fixed[0]
             outs = self.fixed[1]
-        if self.out_layout is None:
-            if self.checked != ptrs:
-                self._check_disjoint(ptrs)
-            results = outs
-        else:
-            results, out_ptrs = self._allocate(stream_ptr)
-            ptrs += out_ptrs
-        ptrs.append(0)  # the slot of a missing array
         with self.lock:
-            for job, slot in zip(self.jobs, self.slots):
-                POINTERS.pack_into(job.packed, 0, *slot(ptrs))
+            if self.out_layout is not None:
+                outs, out_ptrs = self._outputs(stream_ptr)
+                ptrs += out_ptrs
+            if ptrs != self.packed:
+                if self.out_layout is None:
+                    self._check_disjoint(ptrs)
+                self.packed = ptrs
+                ptrs = ptrs + [0]  # the slot of a missing array
+                for job, slot in zip(self.jobs, self.slots):
+                    POINTERS.pack_into(job.packed, 0, *slot(ptrs))
             if self.mode != "two":
                 replay_launches(self.launches, stream_ptr)
             else:
                 first, second = self.launches
                 self.sides.run_raw(stream_ptr, lambda st: replay_launches(first, st),
                                    lambda st: replay_launches(second, st))
-        return results
+        return outs
 
     def _check_disjoint(self, ptrs):
         """Every out= buffer's written bytes apart from every other array's bytes (the
         properties are those of the checked call; the addresses may not be)."""
         sizes, written, names = self.spans
         _checks.check_spans(names, ptrs, sizes, written)
-        self.checked = list(ptrs)
 
-    def _allocate(self, stream_ptr):
-        """New outputs in one allocation (``OutLayout``); returns (arrays, their addresses).
-        The cheapest pieces measured on the H200 host: CuPy's pool allocation with an array
-        made on each slice of it, torch's one ``empty`` split into views."""
+    def _outputs(self, stream_ptr):
+        """The outputs of an allocating call: the last call's CuPy outputs where nothing
+        outside this prepared call holds them any more (``Spare``), else new ones."""
         if _fast["is_capturing"](stream_ptr) != 0:
             from ._launch import CAPTURE_HINT
 
             raise RuntimeError(f"a call without out= buffers {CAPTURE_HINT}")
+        spare = self.spare
+        if spare is not None and spare.unheld():
+            # A list of them: the spare's own tuple never leaves, so a caller holding what
+            # it got holds the arrays themselves.
+            return list(spare.arrays), list(spare.ptrs)
+        arrays, ptrs = self._allocate()
+        if self.kind == "cupy" and self.out_layout.nbytes <= SPARE_MAX_BYTES:
+            self.spare = Spare(arrays, ptrs)
+        return list(arrays), ptrs
+
+    def _allocate(self):
+        """New outputs in one allocation (``OutLayout``); returns (arrays, their addresses).
+        The cheapest pieces measured on the H200 host: CuPy's pool allocation with an array
+        made on each slice of it, torch's one ``empty`` split into views."""
         layout = self.out_layout
         if self.kind == "cupy":
             mem = _fast["alloc"](layout.nbytes)
@@ -397,6 +415,32 @@ class Prepared:
             views = tuple([parts[p] if len(shape) == 1 else parts[p].view(shape)
                            for p, shape in zip(layout.parts, layout.shapes)])
         return views, [base + 4 * off for off in layout.offsets]
+
+
+# An allocating CuPy call may hand the previous call's outputs out again when the caller
+# dropped them: what CuPy's memory pool would do with the freed block (the next allocation of
+# that size on the same stream gets it), minus the allocation, the arrays and the free.
+SPARE_MAX_BYTES = 1 << 20   # outputs kept for reuse per prepared call, at most (decode sizes)
+
+
+def _holders(arrays):
+    """References to each array, its memory pointer and the allocation behind them, and
+    its weak references: equal to the counts taken when the arrays were new exactly when
+    nothing outside the ``Spare`` holds any of them (a view, an interface export, a kept
+    ``.data``, a weak reference)."""
+    return [(getrefcount(a), getrefcount(a.data), getrefcount(a.data.mem),
+             getweakrefcount(a)) for a in arrays]
+
+
+class Spare:
+    """CuPy outputs an allocating prepared call made, kept to be handed out again."""
+
+    def __init__(self, arrays, ptrs):
+        self.arrays, self.ptrs = arrays, tuple(ptrs)
+        self.alone = _holders(arrays)  # taken while only this tuple holds the arrays
+
+    def unheld(self) -> bool:
+        return _holders(self.arrays) == self.alone
 
 
 class OutLayout:
@@ -484,11 +528,11 @@ def build_prepared(calls, launched, ptrs, kind, stream_ptr, fixed=None):
         second = tuple(r for r in recorded if r.stream_ptr == sides.second.ptr)
         if len(first) + len(second) != len(recorded):
             return None
-        launches = (first, second)
+        launches = (replay_form(first), replay_form(second))
     else:
         if any(r.stream_ptr != stream_ptr for r in recorded):
             return None
-        launches = tuple(recorded)
+        launches = replay_form(recorded)
     # Pointer slots: inputs 0..4, then each call's outputs in order; `zero` is a 0.
     outs_per_call = [4 if c.job.scatter_idx is not None else 3 for c in calls]
     zero = 5 + sum(outs_per_call)
@@ -528,8 +572,10 @@ def build_prepared(calls, launched, ptrs, kind, stream_ptr, fixed=None):
     prep = Prepared(kind, calls[0].device_id, jobs, slots, launches, mode, sides,
                     tuple((ws, ws.generation) for ws in workspaces), out_layout, spans,
                     fixed, framework_device)
-    if out_layout is None and fixed is None:
-        prep.checked = list(ptrs)  # the full path just checked these addresses
+    prep.held = recorded  # what the launches' parameter addresses point into
+    if out_layout is None:
+        # The full path just checked these addresses and packed them.
+        prep.packed = list(ptrs) + (list(fixed[0]) if fixed is not None else [])
     return prep
 
 

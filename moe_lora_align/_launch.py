@@ -245,12 +245,18 @@ def record_launches():
         _recorder.launches = None
 
 
-def replay_launches(launches, stream_ptr: int) -> None:
-    """Issue recorded direct launches again, on ``stream_ptr``, with their packed arguments
+def replay_form(launches) -> tuple:
+    """Recorded launches as ``replay_launches`` issues them: (launcher, function, grid, block,
+    shared bytes, parameter address) each, worked out once (a prepared call's hot path)."""
+    return tuple((_direct_launcher(r.cooperative), r.fn, r.grid, r.block, r.smem,
+                  r.params_addr) for r in launches)
+
+
+def replay_launches(form, stream_ptr: int) -> None:
+    """Issue launches (``replay_form``) again, on ``stream_ptr``, with their packed arguments
     as they are now (the caller rewrites the input pointers first)."""
-    for r in launches:
-        _direct_launcher(r.cooperative)(r.fn, r.grid, 1, 1, r.block, 1, 1, r.smem, stream_ptr,
-                                        r.params_addr, 0)
+    for launch, fn, grid, block, smem, params in form:
+        launch(fn, grid, 1, 1, block, 1, 1, smem, stream_ptr, params, 0)
 
 
 def launch_kernel(ks, key, grid: int, block: int, smem: int, stream, *jobs,

@@ -20,7 +20,8 @@ from ._launch import (MAP_BEFORE, MAP_NONE, Workspace, checked_launch, device_li
                       device_memory, workspace_needs)
 from ._sizes import MAX_BUCKETS, buffer_sizes
 from ._streams import side_streams
-from .api import Alignment, Array, LoraAlignment, Streams, Variant
+from .api import (Alignment, Array, LoraAlignment, Streams, Variant, _base_result,
+                  _pair_result)
 
 
 def _gpu_available() -> bool:
@@ -261,6 +262,4 @@ class AlignPlan:
         return views
 
     def _result(self, outputs):
-        if self.max_loras is None:
-            return Alignment(*outputs)
-        return Alignment(*outputs[:3]), LoraAlignment(*outputs[3:])
+        return _base_result(outputs) if self.max_loras is None else _pair_result(outputs)

@@ -8,6 +8,7 @@ pieces the allocating paths are built from.
 """
 
 import argparse
+import contextlib
 import cProfile
 import pstats
 import time
@@ -168,6 +169,134 @@ def breakdown(n=20000):
                       f"{'null' if stream.ptr == 0 else 'own '} mode {prep.mode}: {cells}")
 
 
+def steps(n=20000):
+    """µs of each step of a prepared public call (``_call.align``'s fast path) at decode,
+    base and pair, CuPy and torch, out= given and allocating; then candidate pieces."""
+    import sys
+    import weakref
+
+    import cupy
+
+    from moe_lora_align import _call, _launch, api
+
+    def us(fn):
+        for _ in range(200):
+            fn()
+        t = min(timeit.repeat(fn, number=n, repeat=3)) / n * 1e6
+        cupy.cuda.Device().synchronize()
+        return t
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    for op, T, E, L in (("base", 1, 64, 4), ("pair", 1, 64, 4), ("lora", 16, 256, 16)):
+        for path in ("cupy_out", "cupy_alloc", "torch_out", "torch_alloc"):
+            try:
+                with stream:
+                    fn = inputs(op, path, T=T, E=E, L=L)
+            except ImportError:
+                continue
+            ctx = contextlib.nullcontext()
+            if path.startswith("torch"):
+                import torch
+
+                ctx = torch.cuda.stream(torch.cuda.ExternalStream(stream.ptr))
+            with stream, ctx:
+                fn()
+                (dev, cache), = [(d, c) for d, c in _call._caches.items() if c]
+                key = next(reversed(cache))
+                prep = cache[key]
+                cl = fn.__code__.co_freevars
+                x = fn.__closure__[cl.index("x")].cell_contents
+                outs = fn.__closure__[cl.index("outs")].cell_contents
+                base_out = lora_out = None
+                if op == "base":
+                    base_out = outs
+                elif op == "lora":
+                    lora_out = outs
+                elif outs:
+                    base_out, lora_out = outs
+                inputs_ = (x[0], None if op == "base" else x[1], None if op == "base" else x[2],
+                           None if op == "base" else x[3], None)
+                opts = key[0]
+                outs2 = (base_out, lora_out)
+                fk = _call._fast_key(opts, inputs_, outs2, None)
+                k2, ptrs, device_id, sp, given = fk
+                typed = {"base": api._base_result, "lora": api._lora_result,
+                         "pair": api._pair_result}[op]
+                res = list(prep.run(list(ptrs), given, sp))
+                launches = prep.launches if prep.mode != "two" else prep.launches[0]
+                job, slot = prep.jobs[0], prep.slots[0]
+                full = list(ptrs) + [0] * 12
+                row = {
+                    "call": us(fn),
+                    "fast_key": us(lambda: _call._fast_key(opts, inputs_, outs2, None)),
+                    "properties": us(lambda: _call.properties(inputs_ + given)),
+                    "cur_device": us(_call.current_device),
+                    "stream_ptr": us(lambda: _call.stream_pointer(
+                        "torch" if path.startswith("torch") else "cupy", 0, None)),
+                    "lookup": us(lambda: cache.get(k2).current()),
+                    "run": us(lambda: prep.run(list(ptrs), given, sp)),
+                    "replay": us(lambda: _launch.replay_launches(launches, sp)),
+                    "pack": us(lambda: _launch.POINTERS.pack_into(job.packed, 0, *slot(full))),
+                    "typed": us(lambda: typed(res)),
+                }
+            print(f"  {op:4} T={T:3} E={E:3} {path:11} mode {prep.mode} "
+                  + "  ".join(f"{k} {v:5.2f}" for k, v in row.items()), flush=True)
+    # candidate pieces
+    i32 = np.dtype(np.int32)
+    a = cupy.empty(16, i32)
+    mem = cupy.cuda.alloc(4096)
+    nt = api.Alignment
+    trio = (a, a, a)
+    try:
+        wr = weakref.ref(a)
+        wr_ok = wr() is a
+    except TypeError:
+        wr_ok = False
+    print(f"  cupy ndarray weakref: {wr_ok}; type {type(a).__mro__}")
+    cands = {
+        "sys.getrefcount(a)": lambda: sys.getrefcount(a),
+        "weakref.getweakrefcount(a)": lambda: weakref.getweakrefcount(a),
+        "mem + 64": lambda: mem + 64,
+        "ndarray((16,), i32, mem)": lambda: cupy.ndarray((16,), i32, mem),
+        "ndarray((4, 4), i32, mem)": lambda: cupy.ndarray((4, 4), i32, mem),
+        "a.view()": lambda: a.view(),
+        "a[0:8]": lambda: a[0:8],
+        "Alignment(*trio)": lambda: nt(*trio),
+        "tuple.__new__(Alignment, trio)": lambda: tuple.__new__(nt, trio),
+        "a.data.ptr": lambda: a.data.ptr,
+        "a.shape": lambda: a.shape,
+        "(a.shape, a._c_contiguous, a.dtype, a.data.device_id)": lambda: (
+            a.shape, a._c_contiguous, a.dtype, a.data.device_id),
+        "cupy.cuda.alloc(4096)": lambda: cupy.cuda.alloc(4096),
+    }
+    try:
+        import torch
+
+        t = torch.empty(16, dtype=torch.int32, device="cuda")
+        cd = t.untyped_storage()._cdata
+        use = torch._C._storage_Use_Count
+        cands["torch _storage_Use_Count(cdata)"] = lambda: use(cd)
+        cands["torch t.untyped_storage()._cdata"] = lambda: t.untyped_storage()._cdata
+        cands["torch t.shape"] = lambda: t.shape
+        cands["torch t.is_contiguous()"] = lambda: t.is_contiguous()
+        cands["torch t.get_device()"] = lambda: t.get_device()
+        cands["torch t.data_ptr()"] = lambda: t.data_ptr()
+        cands["torch t.dtype"] = lambda: t.dtype
+        cands["torch empty(64)"] = lambda: torch.empty(64, dtype=torch.int32,
+                                                        device=t.device)
+        b = torch.empty(64, dtype=torch.int32, device=t.device)
+        cands["torch b.split_with_sizes([16,16,16,16])"] = lambda: b.split_with_sizes(
+            [16, 16, 16, 16])
+        cands["torch b[0:16]"] = lambda: b[0:16]
+        cands["torch b.view(4, 16)"] = lambda: b.view(4, 16)
+        cands["torch b.as_strided((16,), (1,), 16)"] = lambda: b.as_strided((16,), (1,), 16)
+        cands["torch weakref.getweakrefcount(t)"] = lambda: weakref.getweakrefcount(t)
+    except ImportError:
+        pass
+    for name, f in cands.items():
+        print(f"  {us(f):7.3f} µs  {name}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=10000)
@@ -175,6 +304,7 @@ def main():
     ap.add_argument("--path", default="cupy_out")
     ap.add_argument("--pieces", action="store_true")
     ap.add_argument("--breakdown", action="store_true")
+    ap.add_argument("--steps", action="store_true")
     ap.add_argument("--wall", action="store_true", help="the wall time only, no profile")
     ap.add_argument("--top", type=int, default=14)
     args = ap.parse_args()
@@ -185,6 +315,9 @@ def main():
         return
     if args.breakdown:
         breakdown()
+        return
+    if args.steps:
+        steps()
         return
     fn = inputs(args.op, args.path)
     for _ in range(100):

@@ -91,6 +91,9 @@ def _prepared(calls, monkeypatch):
     if calls[-1].job.token_slot is not None:
         ptrs[1:4] = [calls[-1].job.token_slot.data.ptr, calls[-1].job.lora_ids.data.ptr,
                      calls[-1].job.adapter_enabled.data.ptr]
+    for c in calls:  # then the outputs, as the key's pointers come
+        outs = (c.job.sorted_ids, c.job.expert_ids, c.job.num_post_pad, c.job.scatter_idx)
+        ptrs += [x.data.ptr for x in outs if x is not None]
     launched = []
     monkeypatch.setattr(_call, "replay_launches", lambda launches, st: launched.append(st))
     prep = _call.build_prepared(calls, (recorded, None, [], None), ptrs, "cupy", 7)
@@ -141,7 +144,7 @@ def test_prepared_call_refuses_overlapping_out_buffers(monkeypatch):
         prep.run([5000, 0, 0, 0, 0, 1000, 5010, 2000], "outs", 9)
     assert launched == []
     prep.run([5000, 0, 0, 0, 0, 1000, 2000, 3000], "outs", 9)
-    assert launched == [9] and prep.checked == [5000, 0, 0, 0, 0, 1000, 2000, 3000]
+    assert launched == [9] and prep.packed == [5000, 0, 0, 0, 0, 1000, 2000, 3000]
 
 
 def test_prepared_call_goes_stale_when_its_workspace_grows():
@@ -234,3 +237,147 @@ def test_allocating_layout_splits_exactly(shapes, aligned):
             else 0
         assert 0 <= gap < 4 and (gap == 0 or aligned)
     assert sum(layout.pieces) == layout.entries and layout.nbytes == 4 * layout.entries
+
+
+# ---- allocating prepared calls: outputs handed out again once the caller dropped them ----
+class FakePointer:
+    """A CuPy memory pointer as the spare check reads it: an address on one allocation."""
+
+    def __init__(self, mem, ptr):
+        self.mem, self.ptr = mem, ptr
+
+    def __add__(self, offset):
+        return FakePointer(self.mem, self.ptr + offset)
+
+
+class FakeOutput:
+    """An output array made on a pointer (what ``cupy.ndarray(shape, dtype, memptr)`` gives)."""
+
+    def __init__(self, shape, dtype, memptr):
+        self.shape, self.dtype, self.data = shape, dtype, memptr
+
+
+def _spare_arrays():
+    mem = object()
+    return tuple(FakeOutput((n,), np.int32, FakePointer(mem, 0x1000 + 64 * i))
+                 for i, n in enumerate((20, 5, 1)))
+
+
+@pytest.mark.parametrize("hold", ["array", "view", "pointer", "allocation", "weakref",
+                                  "result"])
+def test_spare_is_free_only_when_nothing_outside_holds_it(hold):
+    import weakref
+
+    arrays = _spare_arrays()
+    spare = _call.Spare(arrays, [0x1000, 0x1040, 0x1080])
+    assert spare.unheld()
+    kept = {"array": lambda: arrays[1],
+            "view": lambda: SimpleNamespace(base=arrays[0]),
+            "pointer": lambda: arrays[2].data,
+            "allocation": lambda: arrays[0].data.mem,
+            "weakref": lambda: weakref.ref(arrays[1]),
+            "result": lambda: mla.Alignment(*arrays)}[hold]()
+    assert not spare.unheld()
+    del kept
+    assert spare.unheld()
+
+
+def _allocating_prepared(monkeypatch, kind="cupy"):
+    """An allocating prepared base call with fake allocation and launches; returns it, the
+    allocations made and the launches issued."""
+    allocations, launched = [], []
+    address = iter(range(0x100000, 0x10000000, 0x10000))
+
+    def alloc(nbytes):
+        allocations.append(nbytes)
+        return FakePointer(object(), next(address))
+
+    monkeypatch.setattr(_call, "_fast", {"is_capturing": lambda sp: 0, "alloc": alloc,
+                                         "ndarray": FakeOutput})
+    monkeypatch.setattr(_call, "_note_allocators", lambda kind: None)
+    monkeypatch.setattr(_call, "replay_launches", lambda launches, st: launched.append(st))
+    job = _job(0x1000)
+    job.packed = np.zeros(_launch.PROBLEM_DTYPE.itemsize, np.uint8)
+    call = _call.Call("device", kind, 0, job, None, [(20,), (5,), (1,)])
+    recorded = [_launch.RecordedLaunch(1, 1, 32, 0, 7, 0, ())]
+    prep = _call.build_prepared([call], (recorded, None, [], None), [0x1000, 0, 0, 0, 0],
+                                kind, 7)
+    return prep, allocations, launched
+
+
+def test_allocating_call_hands_dropped_outputs_out_again(monkeypatch):
+    prep, allocations, launched = _allocating_prepared(monkeypatch)
+    packs = []
+    real = _call.POINTERS
+    monkeypatch.setattr(_call, "POINTERS", SimpleNamespace(
+        pack_into=lambda *a: packs.append(a[2:]) or real.pack_into(*a)))
+    first = prep.run([0x1000, 0, 0, 0, 0], None, 9)
+    ids = [id(x) for x in first]
+    fields = _fields(prep.jobs[0])
+    assert len(allocations) == 1 and len(packs) == 1 and launched == [9]
+    assert fields[5:8] == [x.data.ptr for x in first] and fields[0] == 0x1000
+    del first
+    again = prep.run([0x1000, 0, 0, 0, 0], None, 9)       # dropped: the same outputs
+    assert [id(x) for x in again] == ids and len(allocations) == 1
+    assert len(packs) == 1 and launched == [9, 9]           # same pointers: nothing packed
+    held = again
+    new = prep.run([0x2000, 0, 0, 0, 0], None, 9)         # held by the caller: new outputs
+    assert not set(map(id, new)) & set(map(id, held)) and len(allocations) == 2
+    assert len(packs) == 2 and _fields(prep.jobs[0])[5:8] == [x.data.ptr for x in new]
+    assert _fields(prep.jobs[0])[0] == 0x2000
+    del new
+    assert [id(x) for x in prep.run([0x2000, 0, 0, 0, 0], None, 9)] != ids  # the newest set
+
+
+def test_allocating_call_refuses_capture_before_handing_out_a_spare(monkeypatch):
+    prep, allocations, launched = _allocating_prepared(monkeypatch)
+    prep.run([0x1000, 0, 0, 0, 0], None, 9)
+    _call._fast["is_capturing"] = lambda sp: 1
+    with pytest.raises(RuntimeError, match="out="):
+        prep.run([0x1000, 0, 0, 0, 0], None, 9)
+    assert launched == [9]
+
+
+def test_no_spare_for_large_or_torch_outputs(monkeypatch):
+    prep, allocations, _ = _allocating_prepared(monkeypatch)
+    monkeypatch.setattr(_call, "SPARE_MAX_BYTES", 64)
+    prep.run([0x1000, 0, 0, 0, 0], None, 9)
+    prep.run([0x1000, 0, 0, 0, 0], None, 9)
+    assert len(allocations) == 2 and prep.spare is None
+    monkeypatch.setitem(__import__("sys").modules, "torch",
+                        SimpleNamespace(device=lambda kind, index: f"{kind}:{index}"))
+    prep, _, _ = _allocating_prepared(monkeypatch, kind="torch")
+    made = []
+
+    class Buf:
+        def data_ptr(self):
+            return 0x5000
+
+        def split_with_sizes(self, pieces):
+            return [made.append(n) or SimpleNamespace(n=n) for n in pieces]
+
+    _call._fast.update(torch_empty=lambda n, dtype, device: Buf(), torch_int32="int32")
+    prep.run([0x1000, 0, 0, 0, 0], None, 9)
+    prep.run([0x1000, 0, 0, 0, 0], None, 9)
+    assert prep.spare is None and len(made) == 6   # torch: new tensors every call
+
+
+def test_out_given_call_packs_only_new_pointers(monkeypatch):
+    call = _call_of(_job(0x1000))
+    prep, launched = _prepared([call], monkeypatch)
+    prep.spans = ([32, 0, 0, 0, 0, 80, 20, 4], [False] * 5 + [True] * 3,
+                  [str(i) for i in range(8)])
+    packs, checks = [], []
+    real = _call.POINTERS
+    monkeypatch.setattr(_call, "POINTERS", SimpleNamespace(
+        pack_into=lambda *a: packs.append(a[2:]) or real.pack_into(*a)))
+    monkeypatch.setattr(_checks, "check_spans", lambda *a: checks.append(a))
+    same = [call.job.topk_ids.data.ptr, 0, 0, 0, 0] + [
+        x.data.ptr for x in (call.job.sorted_ids, call.job.expert_ids, call.job.num_post_pad)]
+    prep.run(list(same), "outs", 9)          # what the full path packed and checked
+    assert packs == [] and checks == [] and launched == [9]
+    moved = [0x9000] + same[1:]
+    prep.run(list(moved), "outs", 9)
+    prep.run(list(moved), "outs", 9)
+    assert len(packs) == 1 and len(checks) == 1 and launched == [9, 9, 9]
+    assert _fields(call.job)[0] == 0x9000

@@ -152,6 +152,70 @@ def test_pairs_and_lora_prepared(T, streams, given):
         _check_lora(lora_only, ids, mapping, lora_ids, enabled)
 
 
+def test_allocating_calls_never_overwrite_outputs_the_caller_holds():
+    """Allocating CuPy calls hand the previous call's outputs out again once the caller
+    dropped them; outputs still held (the arrays, a view, a memory pointer, a pointer into
+    the allocation, a DLPack export) keep their values through later calls, and every
+    result equals the NumPy backend's."""
+    seeds = iter(range(100, 200))
+
+    def call():
+        ids = _routing(next(seeds))
+        got = mla.moe_align_block_size(cupy.asarray(ids), B, E)
+        _check_base(got, ids)
+        return got
+
+    def snapshot(res):
+        return [cupy.asnumpy(x) for x in res]
+
+    call()
+    call()                                   # prepared, allocating: its outputs are kept
+    ptr = call()[0].data.ptr                 # dropped at once
+    assert call()[0].data.ptr == ptr         # handed out again
+    holds = {
+        "arrays": lambda r: r,
+        "view": lambda r: r[0][3:],
+        "pointer": lambda r: cupy.ndarray(r[1].shape, np.int32, r[1].data),
+        "allocation": lambda r: cupy.ndarray(r[1].shape, np.int32, r[1].data + 0),
+        "dlpack": lambda r: cupy.from_dlpack(r[1]),
+    }
+    for name, hold in holds.items():
+        res = call()
+        kept = hold(res)
+        kept = kept if isinstance(kept, tuple) else (kept,)
+        want = snapshot(kept)
+        del res
+        for _ in range(3):
+            call()
+        cupy.cuda.get_current_stream().synchronize()
+        for k, w in zip(kept, want):
+            np.testing.assert_array_equal(cupy.asnumpy(k), w, err_msg=name)
+
+
+@pytest.mark.parametrize("op", ["lora", "pair"])
+def test_allocating_lora_calls_refill_every_row_of_reused_outputs(op):
+    """Reused outputs hold the previous call's rows: a slot the next call does not process
+    must still read as the empty alignment."""
+    for seed in range(6):
+        rng = np.random.default_rng(seed)
+        ids = make_routing(rng, 16, K, E, np.int32, "uniform")
+        mapping, lora_ids, enabled = make_lora(rng, 16, L, disabled=seed % 3)
+        if seed % 2:  # one slot only: the rows the last call wrote are not processed
+            mapping[:] = seed % L
+            lora_ids[:] = -1
+            lora_ids[1] = seed % L
+        d = [cupy.asarray(x) for x in (ids, mapping, lora_ids, enabled)]
+        if op == "lora":
+            lora = mla.moe_lora_align_block_size(d[0], d[1], B, E, L, lora_ids=d[2],
+                                                 adapter_enabled=d[3])
+        else:
+            base, lora = mla.align_moe_and_lora(d[0], d[1], B, E, L, lora_ids=d[2],
+                                                adapter_enabled=d[3])
+            _check_base(base, ids)
+        _check_lora(lora, ids, mapping, lora_ids, enabled)
+        del lora
+
+
 def test_overlap_is_checked_on_the_prepared_path_too():
     ids = _routing(0)
     P, M = mla.buffer_sizes(ids.size, E, B)

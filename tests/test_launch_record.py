@@ -35,7 +35,7 @@ def test_recorded_launches_replay_on_another_stream(monkeypatch):
         [(111, 1, 256, 4096, 7, 0xABC0), (222, 132, 1024, 0, 7, 0xABC0)]
     assert recorded[0].held[0][1] is job.packed  # the bytes behind the address stay alive
     calls.clear()
-    _launch.replay_launches(recorded, 9)
+    _launch.replay_launches(_launch.replay_form(recorded), 9)
     assert calls == [(111, 1, 1, 1, 256, 1, 1, 4096, 9, 0xABC0, 0),
                      (222, 132, 1, 1, 1024, 1, 1, 0, 9, 0xABC0, 0)]
 
@@ -51,7 +51,7 @@ def test_cooperative_launches_replay_through_the_cooperative_launcher(monkeypatc
     assert calls[0] == ("coop", 333, 128, 1, 1, 1024, 1, 1, 60000, 7, 0xDEF0, 0)
     assert [r.cooperative for r in recorded] == [True, False]
     calls.clear()
-    _launch.replay_launches(recorded, 9)
+    _launch.replay_launches(_launch.replay_form(recorded), 9)
     assert calls == [("coop", 333, 128, 1, 1, 1024, 1, 1, 60000, 9, 0xDEF0, 0),
                      (111, 1, 1, 1, 256, 1, 1, 0, 9, 0xDEF0, 0)]
 
