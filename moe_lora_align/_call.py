@@ -271,10 +271,11 @@ def properties(arrays):
     both ignore the strides of size-1 dimensions in it). The loop is the hot path of every
     eager call: kept flat on purpose."""
     props, ptrs, kind, kinds = [], [], None, _KINDS
+    prop, ptr = props.append, ptrs.append
     for x in arrays:
         if x is None:
-            props.append(None)
-            ptrs.append(0)
+            prop(None)
+            ptr(0)
             continue
         t = type(x)
         k = kinds.get(t)
@@ -286,11 +287,11 @@ def properties(arrays):
             return None
         if k == "cupy":
             data = x.data
-            props.append((t, x.shape, x._c_contiguous, x.dtype, data.device_id))
-            ptrs.append(data.ptr)
+            prop((t, x.shape, x._c_contiguous, x.dtype, data.device_id))
+            ptr(data.ptr)
         else:
-            props.append((t, x.shape, x.is_contiguous(), x.dtype, x.get_device()))
-            ptrs.append(x.data_ptr())
+            prop((t, x.shape, x.is_contiguous(), x.dtype, x.get_device()))
+            ptr(x.data_ptr())
     return tuple(props), ptrs, kind
 
 
@@ -392,8 +393,8 @@ class Prepared:
             # it got holds the arrays themselves.
             return list(spare.arrays), list(spare.ptrs)
         arrays, ptrs = self._allocate()
-        if self.kind == "cupy" and self.out_layout.nbytes <= SPARE_MAX_BYTES:
-            self.spare = Spare(arrays, ptrs)
+        if spare is not None or (self.kind == "cupy" and _claim_spare(self)):
+            self.spare = Spare(arrays, ptrs)  # the newest set: the one likely dropped next
         return list(arrays), ptrs
 
     def _allocate(self):
@@ -421,6 +422,29 @@ class Prepared:
 # dropped them: what CuPy's memory pool would do with the freed block (the next allocation of
 # that size on the same stream gets it), minus the allocation, the arrays and the free.
 SPARE_MAX_BYTES = 1 << 20   # outputs kept for reuse per prepared call, at most (decode sizes)
+SPARE_BUDGET = 16 << 20     # bytes of such outputs kept per device, at most
+_spare_bytes: dict = {}     # device id -> bytes of spare outputs kept now
+
+
+def _claim_spare(prep) -> bool:
+    """Whether ``prep`` may keep spare outputs: small enough, and within the device's budget
+    (claimed once per prepared call, given back when the cache drops it)."""
+    nbytes = prep.out_layout.nbytes
+    if nbytes > SPARE_MAX_BYTES:
+        return False
+    with _cache_lock:
+        held = _spare_bytes.get(prep.device_id, 0)
+        if held + nbytes > SPARE_BUDGET:
+            return False
+        _spare_bytes[prep.device_id] = held + nbytes
+    return True
+
+
+def _release_spare(prep) -> None:
+    """Drop a prepared call's spare outputs (caller holds ``_cache_lock``)."""
+    if getattr(prep, "spare", None) is not None:
+        prep.spare = None
+        _spare_bytes[prep.device_id] -= prep.out_layout.nbytes
 
 
 def _holders(arrays):
@@ -482,10 +506,14 @@ def lookup(cache: dict, key):
 
 
 def keep(cache: dict, key, prep) -> None:
-    """Store a prepared call, dropping the oldest when the cache is full."""
+    """Store a prepared call, dropping the oldest when the cache is full (a dropped or
+    replaced call gives its spare outputs' bytes back to the budget)."""
     with _cache_lock:
         if key not in cache and len(cache) >= CACHE_SIZE:
-            cache.pop(next(iter(cache)))
+            _release_spare(cache.pop(next(iter(cache))))
+        old = cache.get(key)
+        if old is not None and old is not prep:
+            _release_spare(old)
         cache[key] = prep
 
 
@@ -670,25 +698,36 @@ def align(op, topk_ids, token_lora_mapping, block_size, num_experts, max_loras, 
     return typed(_answers(calls))
 
 
+_SEQUENCES = (tuple, list)
+
+
 def _fast_key(opts, inputs, outs, stream):
     """``(key, pointers, device, stream pointer, out= arrays)`` of a device call the prepared
-    calls could serve, else None."""
+    calls could serve, else None. Every eager call runs this: kept flat on purpose."""
+    out_base, out_lora = outs
     given = ()
-    for out, n in zip(outs, (4 if opts[6] else 3, 3)):
-        if out is not None:
-            if type(out) not in (tuple, list) or len(out) != n:
-                return None
-            given += tuple(out)
+    if out_base is not None:
+        if type(out_base) not in _SEQUENCES or len(out_base) != (4 if opts[6] else 3):
+            return None
+        given = tuple(out_base)
+    if out_lora is not None:
+        if type(out_lora) not in _SEQUENCES or len(out_lora) != 3:
+            return None
+        given += tuple(out_lora)
     found = properties(inputs + given)
-    if found is None:
+    if found is None or found[0][0] is None:
         return None
     props, ptrs, kind = found
-    device_id = props[0][4] if props[0] is not None else None
-    if device_id is None or device_id < 0 or current_device() != device_id:
+    device_id = props[0][4]
+    if device_id < 0 or _fast["get_device"]() != device_id:
         return None
-    stream_ptr = stream_pointer(kind, device_id, stream)
-    if stream_ptr is None:
-        return None
+    if stream is None:  # the framework's current stream, its cheapest way
+        stream_ptr = (_fast["current_stream"]().ptr if kind == "cupy"
+                      else _torch_current_stream(device_id))
+    else:
+        stream_ptr = stream_pointer(kind, device_id, stream)
+        if stream_ptr is None:
+            return None
     return (opts, props, stream_ptr), ptrs, device_id, stream_ptr, given
 
 

@@ -381,3 +381,22 @@ def test_out_given_call_packs_only_new_pointers(monkeypatch):
     prep.run(list(moved), "outs", 9)
     assert len(packs) == 1 and len(checks) == 1 and launched == [9, 9, 9]
     assert _fields(call.job)[0] == 0x9000
+
+
+def test_spare_outputs_stay_within_the_device_budget(monkeypatch):
+    monkeypatch.setattr(_call, "_spare_bytes", {})
+    first, _, _ = _allocating_prepared(monkeypatch)
+    nbytes = first.out_layout.nbytes
+    monkeypatch.setattr(_call, "SPARE_BUDGET", nbytes)
+    monkeypatch.setattr(_call, "CACHE_SIZE", 1)
+    second, _, _ = _allocating_prepared(monkeypatch)
+    cache = {}
+    _call.keep(cache, "first", first)
+    first.run([0x1000, 0, 0, 0, 0], None, 9)
+    second.run([0x1000, 0, 0, 0, 0], None, 9)
+    assert first.spare is not None and second.spare is None     # over the budget
+    assert _call._spare_bytes[0] == nbytes
+    _call.keep(cache, "second", second)                          # evicts the first
+    assert first.spare is None and _call._spare_bytes[0] == 0
+    second.run([0x1000, 0, 0, 0, 0], None, 9)
+    assert second.spare is not None and _call._spare_bytes[0] == nbytes
