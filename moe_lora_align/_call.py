@@ -338,7 +338,9 @@ class Prepared:
         # The pointers the packed arguments hold now (with out= given: found free of
         # overlaps); a call with the same pointers packs nothing.
         self.packed = None
-        self.spare = None             # CuPy outputs it may hand out again (Spare)
+        self.spares = []              # CuPy outputs it may hand out again, oldest first
+        self.spare_bytes = 0          # of the device's spare budget, claimed by this call
+        self.dropped = False          # out of the cache: claims no more budget
         self.lock = threading.Lock()  # one call at a time rewrites and launches
 
     def current(self) -> bool:
@@ -381,20 +383,27 @@ class Prepared:
         _checks.check_spans(names, ptrs, sizes, written)
 
     def _outputs(self, stream_ptr):
-        """The outputs of an allocating call: the last call's CuPy outputs where nothing
+        """The outputs of an allocating call: an earlier call's CuPy outputs where nothing
         outside this prepared call holds them any more (``Spare``), else new ones."""
         if _fast["is_capturing"](stream_ptr) != 0:
             from ._launch import CAPTURE_HINT
 
             raise RuntimeError(f"a call without out= buffers {CAPTURE_HINT}")
-        spare = self.spare
-        if spare is not None and spare.unheld():
-            # A list of them: the spare's own tuple never leaves, so a caller holding what
-            # it got holds the arrays themselves.
-            return list(spare.arrays), list(spare.ptrs)
+        spares = self.spares
+        for i, spare in enumerate(spares):
+            # The oldest first: in a loop like `res = f(x)`, the newest set is still bound
+            # to `res` during the call, the one before it was dropped when `res` was rebound.
+            if spare.unheld():
+                spares.append(spares.pop(i))
+                # A list of them: the spare's own tuple never leaves, so a caller holding
+                # what it got holds the arrays themselves.
+                return list(spare.arrays), list(spare.ptrs)
         arrays, ptrs = self._allocate()
-        if spare is not None or (self.kind == "cupy" and _claim_spare(self)):
-            self.spare = Spare(arrays, ptrs)  # the newest set: the one likely dropped next
+        if len(spares) == SPARE_SETS:
+            spares.pop(0)  # held by the caller: theirs now
+            spares.append(Spare(arrays, ptrs))
+        elif self.kind == "cupy" and _claim_spare(self):
+            spares.append(Spare(arrays, ptrs))
         return list(arrays), ptrs
 
     def _allocate(self):
@@ -418,33 +427,39 @@ class Prepared:
         return views, [base + 4 * off for off in layout.offsets]
 
 
-# An allocating CuPy call may hand the previous call's outputs out again when the caller
-# dropped them: what CuPy's memory pool would do with the freed block (the next allocation of
+# An allocating CuPy call may hand the outputs of an earlier call out again once nothing
+# holds them: what CuPy's memory pool would do with the freed block (the next allocation of
 # that size on the same stream gets it), minus the allocation, the arrays and the free.
-SPARE_MAX_BYTES = 1 << 20   # outputs kept for reuse per prepared call, at most (decode sizes)
-SPARE_BUDGET = 16 << 20     # bytes of such outputs kept per device, at most
-_spare_bytes: dict = {}     # device id -> bytes of spare outputs kept now
+SPARE_SETS = 2              # output sets kept per prepared call (a caller may hold the last)
+SPARE_MAX_BYTES = 1 << 20   # bytes of one set, at most (decode sizes)
+SPARE_BUDGET = 16 << 20     # bytes of spare sets kept per device, at most
+_spare_bytes: dict = {}     # device id -> bytes of spare sets kept now
 
 
 def _claim_spare(prep) -> bool:
-    """Whether ``prep`` may keep spare outputs: small enough, and within the device's budget
-    (claimed once per prepared call, given back when the cache drops it)."""
+    """Whether ``prep`` may keep one more spare set: small enough, and within the device's
+    budget; ``_release_spare`` gives the claim back when the cache drops the call."""
     nbytes = prep.out_layout.nbytes
     if nbytes > SPARE_MAX_BYTES:
         return False
     with _cache_lock:
         held = _spare_bytes.get(prep.device_id, 0)
-        if held + nbytes > SPARE_BUDGET:
+        if prep.dropped or held + nbytes > SPARE_BUDGET:
             return False
         _spare_bytes[prep.device_id] = held + nbytes
+        prep.spare_bytes += nbytes
     return True
 
 
 def _release_spare(prep) -> None:
-    """Drop a prepared call's spare outputs (caller holds ``_cache_lock``)."""
-    if getattr(prep, "spare", None) is not None:
-        prep.spare = None
-        _spare_bytes[prep.device_id] -= prep.out_layout.nbytes
+    """Drop a prepared call's spare sets and give their bytes back (caller holds
+    ``_cache_lock``)."""
+    if isinstance(prep, Prepared):
+        prep.dropped = True
+        prep.spares = []
+        if prep.spare_bytes:
+            _spare_bytes[prep.device_id] -= prep.spare_bytes
+            prep.spare_bytes = 0
 
 
 def _holders(arrays):

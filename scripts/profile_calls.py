@@ -187,7 +187,22 @@ def steps(n=20000):
         return t
 
     stream = cupy.cuda.Stream(non_blocking=True)
-    for op, T, E, L in (("base", 1, 64, 4), ("pair", 1, 64, 4), ("lora", 16, 256, 16)):
+    def gpu_us(fn, calls=100, reps=7):
+        """GPU µs per call of back-to-back calls, between events (the eager table's way)."""
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        out = []
+        for _ in range(reps):
+            stream.synchronize()
+            start.record(stream)
+            for _ in range(calls):
+                fn()
+            stop.record(stream)
+            stop.synchronize()
+            out.append(cupy.cuda.get_elapsed_time(start, stop) * 1e3 / calls)
+        return sorted(out)[reps // 2]
+
+    for op, T, E, L in (("base", 1, 64, 4), ("pair", 1, 64, 4), ("lora", 16, 256, 16),
+                        ("pair", 4096, 256, 16)):
         for path in ("cupy_out", "cupy_alloc", "torch_out", "torch_alloc"):
             try:
                 with stream:
@@ -227,6 +242,7 @@ def steps(n=20000):
                 job, slot = prep.jobs[0], prep.slots[0]
                 full = list(ptrs) + [0] * 12
                 row = {
+                    "gpu100": gpu_us(fn),
                     "call": us(fn),
                     "fast_key": us(lambda: _call._fast_key(opts, inputs_, outs2, None)),
                     "properties": us(lambda: _call.properties(inputs_ + given)),
@@ -291,6 +307,15 @@ def steps(n=20000):
         cands["torch b.view(4, 16)"] = lambda: b.view(4, 16)
         cands["torch b.as_strided((16,), (1,), 16)"] = lambda: b.as_strided((16,), (1,), 16)
         cands["torch weakref.getweakrefcount(t)"] = lambda: weakref.getweakrefcount(t)
+    except ImportError:
+        pass
+    big = 4 * 850000  # bytes of base + LoRA outputs at T=4096, E=256, 16 slots
+    cands[f"cupy.cuda.alloc({big})"] = lambda: cupy.cuda.alloc(big)
+    try:
+        import torch
+
+        cands[f"torch empty({big // 4})"] = lambda: torch.empty(big // 4, dtype=torch.int32,
+                                                                device="cuda")
     except ImportError:
         pass
     for name, f in cands.items():

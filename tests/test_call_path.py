@@ -326,7 +326,18 @@ def test_allocating_call_hands_dropped_outputs_out_again(monkeypatch):
     assert len(packs) == 2 and _fields(prep.jobs[0])[5:8] == [x.data.ptr for x in new]
     assert _fields(prep.jobs[0])[0] == 0x2000
     del new
-    assert [id(x) for x in prep.run([0x2000, 0, 0, 0, 0], None, 9)] != ids  # the newest set
+    assert [id(x) for x in prep.run([0x2000, 0, 0, 0, 0], None, 9)] != ids  # the free set
+
+
+def test_allocating_calls_in_a_rebinding_loop_take_turns_on_two_sets(monkeypatch):
+    """``res = f(x)``: the last result is still bound during the call, the one before not."""
+    prep, allocations, _ = _allocating_prepared(monkeypatch)
+    seen = []
+    res = None
+    for _ in range(6):
+        res = prep.run([0x1000, 0, 0, 0, 0], None, 9)
+        seen.append(res[0].data.ptr)
+    assert len(allocations) == 2 and len(set(seen)) == 2 and seen[2:] == seen[:2] * 2
 
 
 def test_allocating_call_refuses_capture_before_handing_out_a_spare(monkeypatch):
@@ -343,7 +354,7 @@ def test_no_spare_for_large_or_torch_outputs(monkeypatch):
     monkeypatch.setattr(_call, "SPARE_MAX_BYTES", 64)
     prep.run([0x1000, 0, 0, 0, 0], None, 9)
     prep.run([0x1000, 0, 0, 0, 0], None, 9)
-    assert len(allocations) == 2 and prep.spare is None
+    assert len(allocations) == 2 and prep.spares == []
     monkeypatch.setitem(__import__("sys").modules, "torch",
                         SimpleNamespace(device=lambda kind, index: f"{kind}:{index}"))
     prep, _, _ = _allocating_prepared(monkeypatch, kind="torch")
@@ -359,7 +370,7 @@ def test_no_spare_for_large_or_torch_outputs(monkeypatch):
     _call._fast.update(torch_empty=lambda n, dtype, device: Buf(), torch_int32="int32")
     prep.run([0x1000, 0, 0, 0, 0], None, 9)
     prep.run([0x1000, 0, 0, 0, 0], None, 9)
-    assert prep.spare is None and len(made) == 6   # torch: new tensors every call
+    assert prep.spares == [] and len(made) == 6   # torch: new tensors every call
 
 
 def test_out_given_call_packs_only_new_pointers(monkeypatch):
@@ -394,9 +405,11 @@ def test_spare_outputs_stay_within_the_device_budget(monkeypatch):
     _call.keep(cache, "first", first)
     first.run([0x1000, 0, 0, 0, 0], None, 9)
     second.run([0x1000, 0, 0, 0, 0], None, 9)
-    assert first.spare is not None and second.spare is None     # over the budget
+    assert len(first.spares) == 1 and second.spares == []       # over the budget
     assert _call._spare_bytes[0] == nbytes
     _call.keep(cache, "second", second)                          # evicts the first
-    assert first.spare is None and _call._spare_bytes[0] == 0
+    assert first.spares == [] and _call._spare_bytes[0] == 0
     second.run([0x1000, 0, 0, 0, 0], None, 9)
-    assert second.spare is not None and _call._spare_bytes[0] == nbytes
+    assert len(second.spares) == 1 and _call._spare_bytes[0] == nbytes
+    first.run([0x1000, 0, 0, 0, 0], None, 9)                     # dropped: claims nothing
+    assert first.spares == [] and _call._spare_bytes[0] == nbytes

@@ -172,6 +172,12 @@ def test_allocating_calls_never_overwrite_outputs_the_caller_holds():
     call()                                   # prepared, allocating: its outputs are kept
     ptr = call()[0].data.ptr                 # dropped at once
     assert call()[0].data.ptr == ptr         # handed out again
+    res, seen = call(), []
+    for _ in range(4):                       # the last result bound during each call
+        res = call()
+        seen.append(res[0].data.ptr)
+    assert len(set(seen)) == 2 and seen[2:] == seen[:2]
+    del res
     holds = {
         "arrays": lambda r: r,
         "view": lambda r: r[0][3:],
