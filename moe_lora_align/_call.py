@@ -431,8 +431,8 @@ class Prepared:
 # holds them: what CuPy's memory pool would do with the freed block (the next allocation of
 # that size on the same stream gets it), minus the allocation, the arrays and the free.
 SPARE_SETS = 2              # output sets kept per prepared call (a caller may hold the last)
-SPARE_MAX_BYTES = 1 << 20   # bytes of one set, at most (decode sizes)
-SPARE_BUDGET = 16 << 20     # bytes of spare sets kept per device, at most
+SPARE_MAX_BYTES = 4 << 20   # bytes of one set, at most (up to prefill of a few K tokens)
+SPARE_BUDGET = 32 << 20     # bytes of spare sets kept per device, at most
 _spare_bytes: dict = {}     # device id -> bytes of spare sets kept now
 
 

@@ -318,6 +318,45 @@ def steps(n=20000):
                                                                 device="cuda")
     except ImportError:
         pass
+    try:
+        import torch
+
+        dev = torch.device("cuda", 0)
+        i32t = torch.int32
+        # the pair decode row's torch layout: base (968, 61, 1), LoRA 4 x (968, 61, 1)
+        pieces, shapes = [968, 61, 1, 3872, 244, 4], [None, None, None, (4, 968), (4, 61), None]
+
+        def split_view():
+            parts = torch.empty(sum(pieces), dtype=i32t, device=dev).split_with_sizes(pieces)
+            return [p if s is None else p.view(s) for p, s in zip(parts, shapes)]
+
+        def unsafe_split_view():
+            parts = torch.empty(sum(pieces), dtype=i32t, device=dev).unsafe_split_with_sizes(
+                pieces)
+            return [p if s is None else p.view(s) for p, s in zip(parts, shapes)]
+
+        unsafe_view = getattr(torch, "_unsafe_view", None)
+
+        def unsafe_split_unsafe_view():
+            parts = torch.empty(sum(pieces), dtype=i32t, device=dev).unsafe_split_with_sizes(
+                pieces)
+            return [p if s is None else unsafe_view(p, s) for p, s in zip(parts, shapes)]
+
+        def strided():
+            buf = torch.empty(sum(pieces), dtype=i32t, device=dev)
+            out, off = [], 0
+            for n, s in zip(pieces, shapes):
+                out.append(buf.as_strided(s or (n,), (s[1], 1) if s else (1,), off))
+                off += n
+            return out
+
+        cands["torch pair layout: split_with_sizes + view"] = split_view
+        cands["torch pair layout: unsafe_split_with_sizes + view"] = unsafe_split_view
+        if unsafe_view is not None:
+            cands["torch pair layout: unsafe_split + _unsafe_view"] = unsafe_split_unsafe_view
+        cands["torch pair layout: as_strided each"] = strided
+    except ImportError:
+        pass
     for name, f in cands.items():
         print(f"  {us(f):7.3f} µs  {name}", flush=True)
 
