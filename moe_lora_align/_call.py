@@ -421,7 +421,9 @@ class Prepared:
             buf = _fast["torch_empty"](layout.entries, dtype=_fast["torch_int32"],
                                        device=self.framework_device)
             base = buf.data_ptr()
-            parts = buf.split_with_sizes(layout.pieces)
+            # Pieces without autograd's view tracking (int32 outputs never need it): about
+            # a microsecond less for a pair's six outputs on the H200 host.
+            parts = buf.unsafe_split_with_sizes(layout.pieces)
             views = tuple([parts[p] if len(shape) == 1 else parts[p].view(shape)
                            for p, shape in zip(layout.parts, layout.shapes)])
         return views, [base + 4 * off for off in layout.offsets]
@@ -462,13 +464,13 @@ def _release_spare(prep) -> None:
             prep.spare_bytes = 0
 
 
-def _holders(arrays):
-    """References to each array, its memory pointer and the allocation behind them, and
-    its weak references: equal to the counts taken when the arrays were new exactly when
-    nothing outside the ``Spare`` holds any of them (a view, an interface export, a kept
-    ``.data``, a weak reference)."""
-    return [(getrefcount(a), getrefcount(a.data), getrefcount(a.data.mem),
-             getweakrefcount(a)) for a in arrays]
+def _holders(a):
+    """References to an array, its memory pointer and the allocation behind it, and its
+    weak references. Equal to the counts taken when the array was new exactly when nothing
+    outside the ``Spare`` holds it (the caller, a view, an interface export, a kept
+    ``.data`` or a pointer into the allocation, a weak reference)."""
+    data = a.data
+    return getrefcount(a), getrefcount(data), getrefcount(data.mem), getweakrefcount(a)
 
 
 class Spare:
@@ -476,10 +478,19 @@ class Spare:
 
     def __init__(self, arrays, ptrs):
         self.arrays, self.ptrs = arrays, tuple(ptrs)
-        self.alone = _holders(arrays)  # taken while only this tuple holds the arrays
+        # Taken while only this tuple holds the arrays, through the same plain loop as
+        # `unheld` (a zip or a comprehension would hold references of its own).
+        self.alone = alone = []
+        for a in arrays:
+            alone.append(_holders(a))
 
     def unheld(self) -> bool:
-        return _holders(self.arrays) == self.alone
+        alone, i = self.alone, 0
+        for a in self.arrays:
+            if _holders(a) != alone[i]:
+                return False
+            i += 1
+        return True
 
 
 class OutLayout:

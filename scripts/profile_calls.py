@@ -361,6 +361,41 @@ def steps(n=20000):
         print(f"  {us(f):7.3f} µs  {name}", flush=True)
 
 
+def by_cpu(n=3000):
+    """Host µs per call of a plan's base decode call with the process pinned to each CPU in
+    turn (launch cost may depend on the CPU's distance to the GPU), and the GPU's local
+    CPUs as the kernel reports them."""
+    import os
+
+    import cupy
+
+    bus = cupy.cuda.Device().pci_bus_id.lower()
+    for path in (f"/sys/bus/pci/devices/{bus}/local_cpulist",
+                 f"/sys/bus/pci/devices/{bus}/numa_node"):
+        try:
+            print(f"  {path}: {open(path).read().strip()}")
+        except OSError as e:
+            print(f"  {path}: {e}")
+    cpus = sorted(os.sched_getaffinity(0))
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        fn = inputs("base", "plan", T=1, E=64)
+        for cpu in cpus + cpus[:2]:
+            os.sched_setaffinity(0, {cpu})
+            for _ in range(300):
+                fn()
+            stream.synchronize()
+            best = []
+            for _ in range(3):
+                t = time.perf_counter()
+                for _ in range(n):
+                    fn()
+                best.append((time.perf_counter() - t) / n * 1e6)
+                stream.synchronize()
+            print(f"  cpu {cpu:3d}: plan base T=1 {min(best):6.2f} µs per call (host)")
+    os.sched_setaffinity(0, set(cpus))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=10000)
@@ -369,6 +404,7 @@ def main():
     ap.add_argument("--pieces", action="store_true")
     ap.add_argument("--breakdown", action="store_true")
     ap.add_argument("--steps", action="store_true")
+    ap.add_argument("--by-cpu", action="store_true")
     ap.add_argument("--wall", action="store_true", help="the wall time only, no profile")
     ap.add_argument("--top", type=int, default=14)
     args = ap.parse_args()
@@ -382,6 +418,9 @@ def main():
         return
     if args.steps:
         steps()
+        return
+    if args.by_cpu:
+        by_cpu()
         return
     fn = inputs(args.op, args.path)
     for _ in range(100):

@@ -364,7 +364,7 @@ def test_no_spare_for_large_or_torch_outputs(monkeypatch):
         def data_ptr(self):
             return 0x5000
 
-        def split_with_sizes(self, pieces):
+        def unsafe_split_with_sizes(self, pieces):
             return [made.append(n) or SimpleNamespace(n=n) for n in pieces]
 
     _call._fast.update(torch_empty=lambda n, dtype, device: Buf(), torch_int32="int32")
