@@ -145,11 +145,15 @@ def public_call(op, x, B, E, L, outs=None):
                                           out_lora=outs and outs[1])
 
 
+EAGER_PASSES = 3  # the eager table's cells: the best of this many passes (see main)
+
+
 def eager_paths(op, ids, d, T, K, E, B, L, stream, check):
-    """Eager and host µs per call of every public path for one size: an AlignPlan, the public
-    function with CuPy arrays (``out=`` given, and allocating), and with torch tensors (the
-    same two). ``d``: the CuPy inputs (ids, mapping, lora_ids, enabled); ``check(result)``
-    compares a result with the NumPy backend first."""
+    """A measurement of every public path for one size, eager and host µs per call: an
+    AlignPlan, the public function with CuPy arrays (``out=`` given, and allocating), and
+    with torch tensors (the same two). ``d``: the CuPy inputs (ids, mapping, lora_ids,
+    enabled); ``check(result)`` compares each path's result with the NumPy backend first.
+    Returns a callable that measures once more each time it is called."""
     import cupy
 
     P, M = mla.buffer_sizes(T * K, E, B)
@@ -203,7 +207,16 @@ def eager_paths(op, ids, d, T, K, E, B, L, stream, check):
             check(res)
         except AssertionError as e:
             raise AssertionError(f"{op} T={T} E={E} L={L}, {name}: {e}") from None
-    return eager_interleaved(fns, stream, contexts)
+    return lambda: eager_interleaved(fns, stream, contexts)
+
+
+def keep_best(result, gpu, host):
+    """Fold one more eager pass into a row: each cell keeps its lowest figure (host noise
+    on the lent machine only ever adds time: a pass on a slow spell is not the code's)."""
+    result.setdefault("eager_passes", [dict(result["eager"])]).append(gpu)
+    for key, new in (("eager", gpu), ("host", host)):
+        result[key] = {p: min(v, new[p]) for p, v in result[key].items()}
+    result["auto_eager_us" if result["op"] == "pair" else "eager_us"] = result["eager"]["plan"]
 
 
 def cupy_baseline(ids, E, B, mapping=None, L=1):
@@ -271,8 +284,9 @@ def _starts(ids, E, B, rows=1, mapping=None):
     return segment_starts(ids, E, B, rows=rows, mapping=mapping)
 
 
-def bench_single(row, kind, stream, quick):
-    """Base or LoRA row: default path (graph + eager), each variant, deterministic, baseline."""
+def bench_single(row, kind, stream, quick, remeasure=None):
+    """Base or LoRA row: default path (graph + eager), each variant, deterministic, baseline.
+    ``remeasure``: a list that gets ``(result, eager measurement)`` for later passes."""
     import cupy
 
     op, T, E, K, B = row["op"], row["tokens"], row["num_experts"], row["topk"], row["block_size"]
@@ -317,9 +331,12 @@ def bench_single(row, kind, stream, quick):
     fn = runner()
     result["graph_us"] = graph_us(fn, stream)
     d = (d_ids, dm, dl, de) if L else (d_ids,)
-    result["eager"], result["host"] = eager_paths(
-        op, ids, d, T, K, E, B, L, stream, lambda res: check_against_numpy(res, ref, starts))
+    measure = eager_paths(op, ids, d, T, K, E, B, L, stream,
+                          lambda res: check_against_numpy(res, ref, starts))
+    result["eager"], result["host"] = measure()
     result["eager_us"] = result["eager"]["plan"]
+    if remeasure is not None:
+        remeasure.append((result, measure))
     result["deterministic_graph_us"] = graph_us(runner(deterministic=True), stream)
     for variant in mla._dispatch.VARIANTS:
         if quick and variant == "global":
@@ -343,8 +360,9 @@ def bench_single(row, kind, stream, quick):
     return result
 
 
-def bench_pair(T, E, K, B, L, stream):
-    """Base alone, LoRA alone, and both: one stream, two streams, fused (where it fits)."""
+def bench_pair(T, E, K, B, L, stream, remeasure=None):
+    """Base alone, LoRA alone, and both: one stream, two streams, fused (where it fits);
+    ``remeasure`` as for ``bench_single``."""
     import cupy
 
     rng = np.random.default_rng(T + E + L)
@@ -380,8 +398,11 @@ def bench_pair(T, E, K, B, L, stream):
     def check(res):
         check_against_numpy(res[0], ref_b, lambda: _starts(ids, E, B))
         check_against_numpy(res[1], ref_l, lambda: _starts(ids, E, B, L, mapping))
-    result["eager"], result["host"] = eager_paths("pair", ids, d, T, K, E, B, L, stream, check)
+    measure = eager_paths("pair", ids, d, T, K, E, B, L, stream, check)
+    result["eager"], result["host"] = measure()
     result["auto_eager_us"] = result["eager"]["plan"]
+    if remeasure is not None:
+        remeasure.append((result, measure))
     result["floor_us"] = floor_us("pair", T, K, E, B, L, 1)
     return result
 
@@ -537,9 +558,10 @@ def eager_table(results):
                      f"{r.get('routing', 'uniform'):8} " + " ".join(cells))
     lines.append("eager: µs per call launched back to back (GPU time between events); in "
                  "brackets the host's µs per call; the paths of a row take turns, 9 blocks of "
-                 "100 calls, medians. plan: an AlignPlan; cupy_/torch_: the public function "
-                 "with CuPy arrays / torch tensors, out= given or allocating; pair rows: "
-                 "align_moe_and_lora.")
+                 f"100 calls, medians; each cell the best of {EAGER_PASSES} such passes (the "
+                 "first with its row, the others after every row; every pass is in the JSON). "
+                 "plan: an AlignPlan; cupy_/torch_: the public function with CuPy arrays / "
+                 "torch tensors, out= given or allocating; pair rows: align_moe_and_lora.")
     checked, misses = eager_target_misses(results)
     if checked:
         lines.append(f"eager targets (issue 15; bench.EAGER_TARGETS): {checked - len(misses)} "
@@ -628,7 +650,7 @@ def main(argv=None):
         jobs += [(r, "skewed") for r in rows if r["tokens"] >= 256 and r["num_experts"] >= 64
                  and (args.quick or r["tokens"] in (256, 16384))]
     pairs = PAIRS[:3:2] + PAIRS[3:5] if args.quick else PAIRS
-    results, failures = [], []
+    results, failures, remeasure = [], [], []
     total = len(jobs) + len(pairs)
     t0 = time.perf_counter()
     info = versions()
@@ -651,7 +673,7 @@ def main(argv=None):
     for n, p in enumerate(pairs, 1):
         print(f"[{n:3d}/{total}] pair T={p[0]} E={p[1]} L={p[4]}", file=sys.stderr, flush=True)
         try:
-            results.append(bench_pair(*p, stream))
+            results.append(bench_pair(*p, stream, remeasure))
         except AssertionError as e:  # a wrong result: said, kept, and the run goes on
             print(f"FAILED CHECK: {e}", file=sys.stderr, flush=True)
             failures.append(str(e))
@@ -661,11 +683,18 @@ def main(argv=None):
               f"K={row['topk']} L={row.get('max_loras', '-')} {kind} "
               f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
         try:
-            results.append(bench_single(row, kind, stream, args.quick))
+            results.append(bench_single(row, kind, stream, args.quick, remeasure))
         except AssertionError as e:
             print(f"FAILED CHECK: {e}", file=sys.stderr, flush=True)
             failures.append(str(e))
         save()
+    # The eager table's later passes, each over every row once more: a row's passes lie
+    # tens of seconds apart, past the lent host's slow spells, which last seconds.
+    for n in range(2, EAGER_PASSES + 1):
+        print(f"eager pass {n} of {EAGER_PASSES} ({time.perf_counter() - t0:.0f} s)",
+              file=sys.stderr, flush=True)
+        for result, measure in remeasure:
+            keep_best(result, *measure())
     first = first_call_seconds()
     print(save(first))
     if args.plot:

@@ -59,3 +59,18 @@ def test_eager_targets_check_caps_at_decode_and_the_plan_everywhere():
     assert checked == 7
     assert misses == ["base T=1 E=64 uniform cupy_alloc 14.10 > decode cap 14",
                       "base T=4096 E=64 uniform cupy_out 13.50 > plan 9.00 + 4"]
+
+
+def test_eager_cells_keep_the_best_pass_and_every_pass_is_kept():
+    from moe_lora_align import bench
+
+    row = {"op": "base", "eager": {"plan": 8.0, "cupy_out": 12.0},
+           "host": {"plan": 7.9, "cupy_out": 11.9}, "eager_us": 8.0}
+    bench.keep_best(row, {"plan": 9.0, "cupy_out": 10.0}, {"plan": 8.9, "cupy_out": 9.9})
+    bench.keep_best(row, {"plan": 7.0, "cupy_out": 11.0}, {"plan": 6.9, "cupy_out": 10.9})
+    assert row["eager"] == {"plan": 7.0, "cupy_out": 10.0} and row["eager_us"] == 7.0
+    assert row["host"] == {"plan": 6.9, "cupy_out": 9.9}
+    assert [p["cupy_out"] for p in row["eager_passes"]] == [12.0, 10.0, 11.0]
+    pair = {"op": "pair", "eager": {"plan": 9.0}, "host": {"plan": 9.0}}
+    bench.keep_best(pair, {"plan": 8.5}, {"plan": 8.4})
+    assert pair["auto_eager_us"] == 8.5
