@@ -403,7 +403,7 @@ class Prepared:
             spares.pop(0)  # held by the caller: theirs now
             spares.append(Spare(arrays, ptrs))
         elif self.kind == "cupy" and _claim_spare(self):
-            spares.append(Spare(arrays, ptrs))
+            self.spares.append(Spare(arrays, ptrs))  # (a claim may have emptied the list)
         return list(arrays), ptrs
 
     def _allocate(self):
@@ -436,32 +436,48 @@ SPARE_SETS = 2              # output sets kept per prepared call (a caller may h
 SPARE_MAX_BYTES = 4 << 20   # bytes of one set, at most (up to prefill of a few K tokens)
 SPARE_BUDGET = 32 << 20     # bytes of spare sets kept per device, at most
 _spare_bytes: dict = {}     # device id -> bytes of spare sets kept now
+_spare_owners: dict = {}    # device id -> {id: prepared call holding a claim}, oldest first
 
 
 def _claim_spare(prep) -> bool:
-    """Whether ``prep`` may keep one more spare set: small enough, and within the device's
-    budget; ``_release_spare`` gives the claim back when the cache drops the call."""
+    """Whether ``prep`` may keep one more spare set: a set small enough, within the device's
+    budget once the oldest claims are given back (a process that moved on to other sizes
+    leaves no budget stranded); the cache dropping ``prep`` gives its claim back."""
     nbytes = prep.out_layout.nbytes
-    if nbytes > SPARE_MAX_BYTES:
+    if nbytes > SPARE_MAX_BYTES or nbytes > SPARE_BUDGET:
         return False
+    dev = prep.device_id
     with _cache_lock:
-        held = _spare_bytes.get(prep.device_id, 0)
-        if prep.dropped or held + nbytes > SPARE_BUDGET:
+        if prep.dropped:
             return False
-        _spare_bytes[prep.device_id] = held + nbytes
+        owners = _spare_owners.setdefault(dev, {})
+        while _spare_bytes.get(dev, 0) + nbytes > SPARE_BUDGET:
+            _give_back(owners[next(iter(owners))])
+        _spare_bytes[dev] = _spare_bytes.get(dev, 0) + nbytes
         prep.spare_bytes += nbytes
+        owners.pop(id(prep), None)
+        owners[id(prep)] = prep  # the newest claim last
     return True
 
 
-def _release_spare(prep) -> None:
+def _give_back(prep) -> None:
     """Drop a prepared call's spare sets and give their bytes back (caller holds
+    ``_cache_lock``)."""
+    owners = _spare_owners.get(prep.device_id)
+    if owners is not None:
+        owners.pop(id(prep), None)
+    prep.spares = []
+    if prep.spare_bytes:
+        _spare_bytes[prep.device_id] -= prep.spare_bytes
+        prep.spare_bytes = 0
+
+
+def _release_spare(prep) -> None:
+    """The cache dropped ``prep``: its spare sets go, and it claims no more (caller holds
     ``_cache_lock``)."""
     if isinstance(prep, Prepared):
         prep.dropped = True
-        prep.spares = []
-        if prep.spare_bytes:
-            _spare_bytes[prep.device_id] -= prep.spare_bytes
-            prep.spare_bytes = 0
+        _give_back(prep)
 
 
 def _holders(a):

@@ -396,6 +396,7 @@ def test_out_given_call_packs_only_new_pointers(monkeypatch):
 
 def test_spare_outputs_stay_within_the_device_budget(monkeypatch):
     monkeypatch.setattr(_call, "_spare_bytes", {})
+    monkeypatch.setattr(_call, "_spare_owners", {})
     first, _, _ = _allocating_prepared(monkeypatch)
     nbytes = first.out_layout.nbytes
     monkeypatch.setattr(_call, "SPARE_BUDGET", nbytes)
@@ -404,12 +405,15 @@ def test_spare_outputs_stay_within_the_device_budget(monkeypatch):
     cache = {}
     _call.keep(cache, "first", first)
     first.run([0x1000, 0, 0, 0, 0], None, 9)
-    second.run([0x1000, 0, 0, 0, 0], None, 9)
-    assert len(first.spares) == 1 and second.spares == []       # over the budget
-    assert _call._spare_bytes[0] == nbytes
-    _call.keep(cache, "second", second)                          # evicts the first
+    assert len(first.spares) == 1 and _call._spare_bytes[0] == nbytes
+    second.run([0x1000, 0, 0, 0, 0], None, 9)     # over the budget: the oldest claim goes
+    assert first.spares == [] and len(second.spares) == 1
+    assert _call._spare_bytes[0] == nbytes and first.spare_bytes == 0
+    first.run([0x1000, 0, 0, 0, 0], None, 9)      # and back
+    assert len(first.spares) == 1 and second.spares == [] and _call._spare_bytes[0] == nbytes
+    _call.keep(cache, "second", second)           # evicts the first: its claim comes back
+    assert first.spares == [] and _call._spare_bytes[0] == 0 and first.dropped
+    first.run([0x1000, 0, 0, 0, 0], None, 9)      # dropped: claims nothing
     assert first.spares == [] and _call._spare_bytes[0] == 0
     second.run([0x1000, 0, 0, 0, 0], None, 9)
     assert len(second.spares) == 1 and _call._spare_bytes[0] == nbytes
-    first.run([0x1000, 0, 0, 0, 0], None, 9)                     # dropped: claims nothing
-    assert first.spares == [] and _call._spare_bytes[0] == nbytes
