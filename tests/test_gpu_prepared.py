@@ -152,11 +152,11 @@ def test_pairs_and_lora_prepared(T, streams, given):
         _check_lora(lora_only, ids, mapping, lora_ids, enabled)
 
 
-def test_allocating_calls_never_overwrite_outputs_the_caller_holds():
-    """Allocating CuPy calls hand the previous call's outputs out again once the caller
-    dropped them; outputs still held (the arrays, a view, a memory pointer, a pointer into
-    the allocation, a DLPack export) keep their values through later calls, and every
-    result equals the NumPy backend's."""
+def test_allocating_calls_never_overwrite_outputs_the_caller_holds(monkeypatch):
+    """Allocating CuPy calls hand earlier calls' outputs out again once the caller dropped
+    them; outputs still held (the arrays, a view, a memory pointer, a pointer into the
+    allocation, a DLPack export) keep their values through later calls, and every result
+    equals the NumPy backend's."""
     seeds = iter(range(100, 200))
 
     def call():
@@ -168,15 +168,20 @@ def test_allocating_calls_never_overwrite_outputs_the_caller_holds():
     def snapshot(res):
         return [cupy.asnumpy(x) for x in res]
 
-    call()
-    call()                                   # prepared, allocating: its outputs are kept
-    ptr = call()[0].data.ptr                 # dropped at once
-    assert call()[0].data.ptr == ptr         # handed out again
-    res, seen = call(), []
+    res = None
+    for _ in range(3):  # full path, then prepared: two sets kept (one held by `res`)
+        res = call()
+    del res
+    allocations = []
+    real = _call._fast["alloc"]
+    monkeypatch.setitem(_call._fast, "alloc", lambda n: allocations.append(n) or real(n))
+    for _ in range(4):
+        call()                               # dropped at once: handed out again
+    res, seen = None, []
     for _ in range(4):                       # the last result bound during each call
         res = call()
         seen.append(res[0].data.ptr)
-    assert len(set(seen)) == 2 and seen[2:] == seen[:2]
+    assert allocations == [] and len(set(seen)) == 2 and seen[2:] == seen[:2]
     del res
     holds = {
         "arrays": lambda r: r,
