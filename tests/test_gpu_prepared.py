@@ -181,7 +181,14 @@ def test_allocating_calls_never_overwrite_outputs_the_caller_holds(monkeypatch):
     for _ in range(4):                       # the last result bound during each call
         res = call()
         seen.append(res[0].data.ptr)
-    assert allocations == [] and len(set(seen)) == 2 and seen[2:] == seen[:2]
+    if allocations:  # what the spare sets looked like (a failure's diagnosis)
+        preps = [p for c in _call._caches.values() for p in c.values()
+                 if p.out_layout is not None and p.out_layout.nbytes == allocations[0]]
+        state = [(p.dropped, p.spare_bytes, [(s.alone, [_call._holders(a) for a in s.arrays])
+                                             for s in p.spares]) for p in preps]
+        pytest.fail(f"{len(allocations)} allocations; spare bytes {_call._spare_bytes}; "
+                    f"owners {[len(o) for o in _call._spare_owners.values()]}; {state}")
+    assert len(set(seen)) == 2 and seen[2:] == seen[:2]
     del res
     holds = {
         "arrays": lambda r: r,
