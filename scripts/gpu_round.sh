@@ -38,7 +38,7 @@ SAN_K=${SAN_K:-"not 65536 and not 8192-4096 and not many_buckets and not slow an
 sanitize() {  # tool, extra options, test selection
   local tool=$1; shift
   step "$tool"
-  FUZZ_CASES=${SAN_FUZZ_CASES:-150} timeout ${SAN_S:-280} compute-sanitizer --tool "$tool" "$@" \
+  MLA_SANITIZER=$tool FUZZ_CASES=${SAN_FUZZ_CASES:-150} timeout ${SAN_S:-280} compute-sanitizer --tool "$tool" "$@" \
     --error-exitcode 9 --print-limit 20 python3 -m pytest ${SAN_FILES:-$GPU_TESTS} -q -x -p no:cacheprovider \
     -k "$SAN_K and not threads and not scratch_bytes" 2>&1 | tee "$OUT/$tool.log" | tail -6
   echo "$tool rc=${PIPESTATUS[0]}"
