@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import sys
 import threading
 from sys import getrefcount
 from weakref import getweakrefcount
@@ -402,7 +403,7 @@ class Prepared:
         if len(spares) == SPARE_SETS:
             spares.pop(0)  # held by the caller: theirs now
             spares.append(Spare(arrays, ptrs))
-        elif self.kind == "cupy" and _claim_spare(self):
+        elif self.kind == "cupy" and REFCOUNTS_EXACT and _claim_spare(self):
             self.spares.append(Spare(arrays, ptrs))  # (a claim may have emptied the list)
         return list(arrays), ptrs
 
@@ -433,6 +434,9 @@ class Prepared:
 # holds them: what CuPy's memory pool would do with the freed block (the next allocation of
 # that size on the same stream gets it), minus the allocation, the arrays and the free.
 SPARE_SETS = 2              # output sets kept per prepared call (a caller may hold the last)
+# Reference counts tell "nothing else holds it" only where one lock orders every count
+# change: not in a free-threaded Python, which then allocates every time.
+REFCOUNTS_EXACT = getattr(sys, "_is_gil_enabled", lambda: True)()
 SPARE_MAX_BYTES = 4 << 20   # bytes of one set, at most (up to prefill of a few K tokens)
 SPARE_BUDGET = 32 << 20     # bytes of spare sets kept per device, at most
 _spare_bytes: dict = {}     # device id -> bytes of spare sets kept now
@@ -481,12 +485,14 @@ def _release_spare(prep) -> None:
 
 
 def _holders(a):
-    """References to an array, its memory pointer and the allocation behind it, and its
-    weak references. Equal to the counts taken when the array was new exactly when nothing
-    outside the ``Spare`` holds it (the caller, a view, an interface export, a kept
-    ``.data`` or a pointer into the allocation, a weak reference)."""
+    """References to an array, its memory pointer and the allocation behind it, its weak
+    references, and its shape. Equal to what was taken when the array was new exactly when
+    nothing outside the ``Spare`` holds it (the caller, a view, an interface export, a kept
+    ``.data`` or a pointer into the allocation, a weak reference) and no one reshaped it in
+    place (CuPy's ``shape`` setter; dtype and memory cannot change)."""
     data = a.data
-    return getrefcount(a), getrefcount(data), getrefcount(data.mem), getweakrefcount(a)
+    return (getrefcount(a), getrefcount(data), getrefcount(data.mem), getweakrefcount(a),
+            a.shape)
 
 
 class Spare:

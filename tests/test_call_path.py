@@ -264,7 +264,7 @@ def _spare_arrays():
 
 
 @pytest.mark.parametrize("hold", ["array", "view", "pointer", "allocation", "weakref",
-                                  "result"])
+                                  "result", "reshaped"])
 def test_spare_is_free_only_when_nothing_outside_holds_it(hold):
     import weakref
 
@@ -276,8 +276,13 @@ def test_spare_is_free_only_when_nothing_outside_holds_it(hold):
             "pointer": lambda: arrays[2].data,
             "allocation": lambda: arrays[0].data.mem,
             "weakref": lambda: weakref.ref(arrays[1]),
-            "result": lambda: mla.Alignment(*arrays)}[hold]()
+            "result": lambda: mla.Alignment(*arrays),
+            "reshaped": lambda: setattr(arrays[0], "shape", (4, 5))}[hold]()
     assert not spare.unheld()
+    if hold == "reshaped":  # a reshaped array stays out, whoever holds it
+        arrays[0].shape = (20,)
+        assert spare.unheld()
+        return
     del kept
     assert spare.unheld()
 
@@ -347,6 +352,14 @@ def test_allocating_call_refuses_capture_before_handing_out_a_spare(monkeypatch)
     with pytest.raises(RuntimeError, match="out="):
         prep.run([0x1000, 0, 0, 0, 0], None, 9)
     assert launched == [9]
+
+
+def test_no_spare_where_reference_counts_are_not_exact(monkeypatch):
+    prep, allocations, _ = _allocating_prepared(monkeypatch)
+    monkeypatch.setattr(_call, "REFCOUNTS_EXACT", False)
+    prep.run([0x1000, 0, 0, 0, 0], None, 9)
+    prep.run([0x1000, 0, 0, 0, 0], None, 9)
+    assert len(allocations) == 2 and prep.spares == []
 
 
 def test_no_spare_for_large_or_torch_outputs(monkeypatch):

@@ -191,6 +191,12 @@ def test_allocating_calls_never_overwrite_outputs_the_caller_holds(monkeypatch):
         for k, w in zip(kept, want):
             np.testing.assert_array_equal(cupy.asnumpy(k), w, err_msg=name)
 
+    res = call()
+    res[0].shape = (1, -1)  # reshaped in place, then dropped: never handed out again
+    del res
+    for _ in range(3):
+        assert call()[0].ndim == 1
+
     # Dropped outputs are handed out again: no allocation once two sets exist.
     res = None
     for _ in range(3):
