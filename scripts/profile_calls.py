@@ -350,6 +350,29 @@ def steps(n=20000):
                 off += n
             return out
 
+        # the LoRA decode row's outputs (16 slots, T=16, E=256): (16, 3968), (16, 248), (16,)
+        lora_shapes = [(16, 3968), (16, 248), (16,)]
+        lora_pieces = [16 * 3968, 16 * 248, 16]
+
+        def lora_split_view():
+            parts = torch.empty(sum(lora_pieces), dtype=i32t,
+                                device=dev).unsafe_split_with_sizes(lora_pieces)
+            return [p if len(s) == 1 else p.view(s) for p, s in zip(parts, lora_shapes)]
+
+        def lora_three_empty():
+            return [torch.empty(s, dtype=i32t, device=dev) for s in lora_shapes]
+
+        def lora_strided():
+            buf = torch.empty(sum(lora_pieces), dtype=i32t, device=dev)
+            out, off = [], 0
+            for n, s in zip(lora_pieces, lora_shapes):
+                out.append(buf.as_strided(s, (s[1], 1) if len(s) == 2 else (1,), off))
+                off += n
+            return out
+
+        cands["torch LoRA layout: unsafe_split + view (now)"] = lora_split_view
+        cands["torch LoRA layout: an empty per output"] = lora_three_empty
+        cands["torch LoRA layout: as_strided each"] = lora_strided
         cands["torch pair layout: split_with_sizes + view"] = split_view
         cands["torch pair layout: unsafe_split_with_sizes + view"] = unsafe_split_view
         if unsafe_view is not None:
