@@ -336,6 +336,7 @@ class Prepared:
         self.fixed = fixed            # AlignPlan: (its output pointers, its result views)
         self.framework_device = framework_device
         self.answer = None            # AlignPlan: its result tuples, the same every call
+        self.held = ()                # the recorded launches: what their parameters point into
         # The pointers the packed arguments hold now (with out= given: found free of
         # overlaps); a call with the same pointers packs nothing.
         self.packed = None
@@ -648,7 +649,7 @@ def build_prepared(calls, launched, ptrs, kind, stream_ptr, fixed=None):
     prep = Prepared(kind, calls[0].device_id, jobs, slots, launches, mode, sides,
                     tuple((ws, ws.generation) for ws in workspaces), out_layout, spans,
                     fixed, framework_device)
-    prep.held = recorded  # what the launches' parameter addresses point into
+    prep.held = recorded
     if out_layout is None:
         # The full path just checked these addresses and packed them.
         prep.packed = list(ptrs) + (list(fixed[0]) if fixed is not None else [])
