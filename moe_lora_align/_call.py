@@ -6,7 +6,8 @@ arguments alone (``prepare``), its outputs allocated only after every check pass
 arguments have the properties of an earlier one (framework, shapes, strides, dtypes, device,
 options, stream, ``out=`` given or not) is served by that call's ``Prepared`` form: its checks
 held for exactly these properties and its launches are recorded, so only the pointers are
-rewritten before the same kernels go to the driver again.
+rewritten before the same kernels go to the driver again. An allocating CuPy call there may
+get an earlier call's outputs back once nothing else holds them (``Spare``).
 """
 
 from __future__ import annotations
