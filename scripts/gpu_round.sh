@@ -10,6 +10,7 @@
 #              all of them takes longer than one call: split it by SAN_FILES)
 #   bench      the benchmark, quick grid;  benchfull  the full grid
 #   det        scripts/det_experiment.py: deterministic mode against the default path
+#   steps      scripts/profile_calls.py --steps: where a prepared eager call's host time goes
 # Old spellings: quick = tests memcheck racecheck bench; full = the same with benchfull.
 set -u
 OUT=${OUT:-$PWD/gpu-out}
@@ -77,6 +78,11 @@ for s in $STEPS; do
       timeout ${DET_S:-200} python3 scripts/det_experiment.py --json "$OUT/det.json" 2>&1 \
         | tee "$OUT/det.txt" | tail -20
       echo "det rc=${PIPESTATUS[0]}" ;;
+    steps)
+      step "eager call steps"
+      timeout ${STEPS_S:-200} python3 scripts/profile_calls.py --steps 2>&1 \
+        | tee "$OUT/steps.txt" | tail -40
+      echo "steps rc=${PIPESTATUS[0]}" ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac
 done
