@@ -411,10 +411,9 @@ class Prepared:
 
     def _allocate(self):
         """New outputs in one allocation (``OutLayout``); returns (arrays, their addresses).
-        The cheapest pieces measured: CuPy's pool allocation with an array made on each
-        slice of it (H200 host); torch's one ``empty`` with an ``as_strided`` view per
-        output (no split and no second view for a 2-D output: 2 µs less than a split for
-        the three LoRA outputs on a CPU host, the view ops being the same on any device)."""
+        The cheapest pieces measured on the H200 host: CuPy's pool allocation with an array
+        made on each slice of it; torch's one ``empty`` split into the outputs (a view more
+        for each 2-D one), or an ``as_strided`` view per output where that is fewer calls."""
         layout = self.out_layout
         if self.kind == "cupy":
             mem = _fast["alloc"](layout.nbytes)
@@ -426,8 +425,15 @@ class Prepared:
             buf = _fast["torch_empty"](layout.entries, dtype=_fast["torch_int32"],
                                        device=self.framework_device)
             base = buf.data_ptr()
-            view = buf.as_strided
-            views = tuple([view(shape, strides, off) for shape, strides, off in layout.views])
+            if layout.split:
+                # Pieces without autograd's view tracking (int32 outputs never need it).
+                parts = buf.unsafe_split_with_sizes(layout.pieces)
+                views = tuple([part if len(shape) == 1 else part.view(shape)
+                               for part, shape in zip(parts, layout.shapes)])
+            else:
+                view = buf.as_strided
+                views = tuple([view(shape, strides, off)
+                               for shape, strides, off in layout.views])
         return views, [base + 4 * off for off in layout.offsets]
 
 
@@ -517,18 +523,31 @@ class Spare:
 
 
 class OutLayout:
-    """Where the outputs of an allocating call sit in its one allocation: entry offsets,
-    each output starting on 16 bytes (the kernels' vector stores), and ``views``: (shape,
-    contiguous strides, offset) of each output, what torch's views are made from."""
+    """Where the outputs of an allocating call sit in its one allocation. Each output
+    starts on 16 bytes (the kernels' vector stores) unless ``split``: then the outputs lie
+    back to back, for torch to split the allocation into exactly them (``pieces``), and
+    the kernels store scalars where a start is not aligned. ``views``: (shape, contiguous
+    strides, offset) of each output, for torch's ``as_strided``."""
 
-    def __init__(self, shapes):
-        self.shapes = list(shapes)
+    def __init__(self, shapes, split=False):
+        self.shapes = [tuple(shape) for shape in shapes]
+        self.split = split
+        self.pieces = [_count(shape) for shape in self.shapes]
         self.offsets, self.views, off = [], [], 0
-        for shape in self.shapes:
+        for shape, n in zip(self.shapes, self.pieces):
             self.offsets.append(off)
-            self.views.append((tuple(shape), _strides(shape), off))
-            off += -(-_count(shape) // 4) * 4
+            self.views.append((shape, _strides(shape), off))
+            off += n if split else -(-n // 4) * 4
         self.entries, self.nbytes = off, 4 * off
+
+
+def torch_splits(shapes) -> bool:
+    """Whether torch should split its one allocation into these outputs (every output 1-D:
+    one call makes them all) rather than make an ``as_strided`` view of each (a 2-D output
+    would cost a split piece and a view). H200 host (profile_calls --steps, 299d79a's
+    round): LoRA's three outputs, two of them 2-D, 10.4 µs split and viewed, 8.4 as_strided;
+    the pair's six 12.2 and 11.7."""
+    return all(len(shape) == 1 for shape in shapes)
 
 
 def _strides(shape):
@@ -627,7 +646,8 @@ def build_prepared(calls, launched, ptrs, kind, stream_ptr, fixed=None):
     out_layout = None
     spans = None
     if calls[0].out_shapes is not None:
-        out_layout = OutLayout([shape for c in calls for shape in c.out_shapes])
+        shapes = [shape for c in calls for shape in c.out_shapes]
+        out_layout = OutLayout(shapes, split=kind == "torch" and torch_splits(shapes))
     else:
         sizes, names = [], ["topk_ids", "token_lora_mapping", "lora_ids", "adapter_enabled",
                             "expert_map"]

@@ -13,10 +13,12 @@ import cProfile
 import pstats
 import time
 import timeit
+from types import SimpleNamespace
 
 import numpy as np
 
 import moe_lora_align as mla
+from moe_lora_align import _call
 from moe_lora_align.bench import public_call
 
 
@@ -321,63 +323,20 @@ def steps(n=20000):
     try:
         import torch
 
-        dev = torch.device("cuda", 0)
-        i32t = torch.int32
-        # the pair decode row's torch layout: base (968, 61, 1), LoRA 4 x (968, 61, 1)
-        pieces, shapes = [968, 61, 1, 3872, 244, 4], [None, None, None, (4, 968), (4, 61), None]
-
-        def split_view():
-            parts = torch.empty(sum(pieces), dtype=i32t, device=dev).split_with_sizes(pieces)
-            return [p if s is None else p.view(s) for p, s in zip(parts, shapes)]
-
-        def unsafe_split_view():
-            parts = torch.empty(sum(pieces), dtype=i32t, device=dev).unsafe_split_with_sizes(
-                pieces)
-            return [p if s is None else p.view(s) for p, s in zip(parts, shapes)]
-
-        unsafe_view = getattr(torch, "_unsafe_view", None)
-
-        def unsafe_split_unsafe_view():
-            parts = torch.empty(sum(pieces), dtype=i32t, device=dev).unsafe_split_with_sizes(
-                pieces)
-            return [p if s is None else unsafe_view(p, s) for p, s in zip(parts, shapes)]
-
-        def strided():
-            buf = torch.empty(sum(pieces), dtype=i32t, device=dev)
-            out, off = [], 0
-            for n, s in zip(pieces, shapes):
-                out.append(buf.as_strided(s or (n,), (s[1], 1) if s else (1,), off))
-                off += n
-            return out
-
-        # the LoRA decode row's outputs (16 slots, T=16, E=256): (16, 3968), (16, 248), (16,)
-        lora_shapes = [(16, 3968), (16, 248), (16,)]
-        lora_pieces = [16 * 3968, 16 * 248, 16]
-
-        def lora_split_view():
-            parts = torch.empty(sum(lora_pieces), dtype=i32t,
-                                device=dev).unsafe_split_with_sizes(lora_pieces)
-            return [p if len(s) == 1 else p.view(s) for p, s in zip(parts, lora_shapes)]
-
-        def lora_three_empty():
-            return [torch.empty(s, dtype=i32t, device=dev) for s in lora_shapes]
-
-        def lora_strided():
-            buf = torch.empty(sum(lora_pieces), dtype=i32t, device=dev)
-            out, off = [], 0
-            for n, s in zip(lora_pieces, lora_shapes):
-                out.append(buf.as_strided(s, (s[1], 1) if len(s) == 2 else (1,), off))
-                off += n
-            return out
-
-        cands["torch LoRA layout: unsafe_split + view (now)"] = lora_split_view
-        cands["torch LoRA layout: an empty per output"] = lora_three_empty
-        cands["torch LoRA layout: as_strided each"] = lora_strided
-        cands["torch pair layout: split_with_sizes + view"] = split_view
-        cands["torch pair layout: unsafe_split_with_sizes + view"] = unsafe_split_view
-        if unsafe_view is not None:
-            cands["torch pair layout: unsafe_split + _unsafe_view"] = unsafe_split_unsafe_view
-        cands["torch pair layout: as_strided each"] = strided
+        _call._fast.update(torch_empty=torch.empty, torch_int32=torch.int32)
+        # The package's own torch allocation, both ways, for the decode rows' outputs:
+        # base T=1 E=64, LoRA T=16 E=256 16 slots, base + LoRA T=1 E=64 4 slots.
+        layouts = {"base": [(968,), (61,), (1,)],
+                   "LoRA": [(16, 3968), (16, 248), (16,)],
+                   "pair": [(968,), (61,), (1,), (4, 968), (4, 61), (4,)]}
+        for name, shapes in layouts.items():
+            for split in (True, False):
+                prep = SimpleNamespace(kind="torch", out_layout=_call.OutLayout(shapes, split),
+                                       framework_device=torch.device("cuda", 0))
+                way = "split (+ views)" if split else "as_strided each"
+                now = " (now)" if split == _call.torch_splits(shapes) else ""
+                cands[f"torch {name} outputs: {way}{now}"] = (
+                    lambda prep=prep: _call.Prepared._allocate(prep))
     except ImportError:
         pass
     for name, f in cands.items():

@@ -220,21 +220,35 @@ def test_public_call_takes_the_prepared_path_end_to_end(monkeypatch):
         mla.moe_align_block_size(new_ids, 8, 4, out=new_out)
 
 
-@pytest.mark.parametrize("shapes", [[(20,), (5,), (1,)], [(3, 20), (3, 5), (3,)],
-                                    [(20,), (5,), (1,), (8,), (3, 21), (3, 7), (3,)],
-                                    [(0,), (2, 0), (1,)]])
-def test_allocating_layout_places_outputs_apart_and_aligned(shapes):
-    layout = _call.OutLayout(shapes)
+LAYOUT_SHAPES = [[(20,), (5,), (1,)], [(3, 20), (3, 5), (3,)],
+                 [(20,), (5,), (1,), (8,), (3, 21), (3, 7), (3,)], [(0,), (2, 0), (1,)]]
+
+
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("shapes", LAYOUT_SHAPES)
+def test_allocating_layout_places_outputs_apart(shapes, split):
+    layout = _call.OutLayout(shapes, split)
     sizes = [int(np.prod(s)) for s in shapes]
-    assert [off % 4 for off in layout.offsets] == [0] * len(shapes)  # 16-byte starts
+    if split:  # torch splits the allocation into exactly the outputs
+        assert layout.pieces == sizes and sum(sizes) == layout.entries
+        assert layout.offsets == [sum(sizes[:i]) for i in range(len(sizes))]
+    else:
+        assert [off % 4 for off in layout.offsets] == [0] * len(shapes)  # 16-byte starts
     ends = [off + n for off, n in zip(layout.offsets, sizes)]
     assert all(end <= nxt for end, nxt in zip(ends, layout.offsets[1:]))
     assert max(ends) <= layout.entries < max(ends) + 4 and layout.nbytes == 4 * layout.entries
-    # torch's views: the contiguous strides of each shape, at the output's offset
+    # torch's as_strided views: the contiguous strides of each shape, at its offset
     for (shape, strides, off), want, at in zip(layout.views, shapes, layout.offsets):
         assert shape == want and off == at
         if np.prod(want):  # (NumPy's strides of an empty shape differ; nothing is read there)
             assert tuple(4 * x for x in strides) == np.empty(want, np.int32).strides
+
+
+def test_torch_splits_only_one_dimensional_outputs():
+    assert _call.torch_splits([(20,), (5,), (1,)])              # base: one split
+    assert _call.torch_splits([(20,), (5,), (1,), (8,)])        # base with scatter_idx
+    assert not _call.torch_splits([(3, 20), (3, 5), (3,)])      # LoRA: as_strided each
+    assert not _call.torch_splits(LAYOUT_SHAPES[2])             # base + LoRA
 
 
 # ---- allocating prepared calls: outputs handed out again once the caller dropped them ----
@@ -375,9 +389,8 @@ def test_no_spare_for_large_or_torch_outputs(monkeypatch):
         def data_ptr(self):
             return 0x5000
 
-        def as_strided(self, shape, strides, offset):
-            made.append(offset)
-            return SimpleNamespace(shape=shape)
+        def unsafe_split_with_sizes(self, pieces):  # base's 1-D outputs: one split
+            return [made.append(n) or SimpleNamespace(n=n) for n in pieces]
 
     _call._fast.update(torch_empty=lambda n, dtype, device: Buf(), torch_int32="int32")
     prep.run([0x1000, 0, 0, 0, 0], None, 9)
@@ -385,13 +398,13 @@ def test_no_spare_for_large_or_torch_outputs(monkeypatch):
     assert prep.spares == [] and len(made) == 6   # torch: new tensors every call
 
 
-@pytest.mark.parametrize("shapes", [[(20,), (5,), (1,)], [(16, 3968), (16, 248), (16,)],
-                                    [(3, 21), (3, 7), (3,), (8,)], [(0,), (2, 0), (1,)]])
-def test_torch_outputs_are_contiguous_views_of_one_allocation(shapes):
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("shapes", LAYOUT_SHAPES + [[(16, 3968), (16, 248), (16,)]])
+def test_torch_outputs_are_contiguous_views_of_one_allocation(shapes, split):
     """The torch allocating path on real (CPU) tensors: each output a contiguous int32 view
     of its own bytes of the one allocation, at the address the kernels are given."""
     torch = pytest.importorskip("torch")
-    prep = SimpleNamespace(kind="torch", out_layout=_call.OutLayout(shapes),
+    prep = SimpleNamespace(kind="torch", out_layout=_call.OutLayout(shapes, split),
                            framework_device=torch.device("cpu"))
     saved = dict(_call._fast)
     _call._fast.update(torch_empty=torch.empty, torch_int32=torch.int32)
@@ -404,7 +417,7 @@ def test_torch_outputs_are_contiguous_views_of_one_allocation(shapes):
     for v, ptr, k in zip(views, ptrs, range(len(views))):
         assert v.dtype == torch.int32 and v.is_contiguous()
         if v.numel():
-            assert v.data_ptr() == ptr and ptr % 16 == 0
+            assert v.data_ptr() == ptr and (split or ptr % 16 == 0)
             v.fill_(k)  # every output's bytes its own
     for v, k in zip(views, range(len(views))):
         assert bool((v == k).all())
