@@ -58,8 +58,6 @@ def inputs(op, path, T=16, K=8, E=256, B=16, L=16):
 
 def prepared_summary(plan=None):
     """How the cached calls launch: stream mode and launches per call."""
-    from moe_lora_align import _call
-
     caches = dict(_call._caches)
     if plan is not None:
         caches["plan"] = plan._prepared
@@ -142,7 +140,7 @@ def breakdown(n=20000):
     sizes, on a created stream and on the legacy default stream."""
     import cupy
 
-    from moe_lora_align import _call, _launch
+    from moe_lora_align import _launch
 
     def us(fn):
         for _ in range(100):
@@ -179,7 +177,7 @@ def steps(n=20000):
 
     import cupy
 
-    from moe_lora_align import _call, _launch, api
+    from moe_lora_align import _launch, api
 
     def us(fn):
         for _ in range(200):
