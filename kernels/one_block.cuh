@@ -236,10 +236,80 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
 #endif
 }
 
+// ---------------------------------------------------------------------------------------------
+// Base alignment of at most WARP_ROUTES routes (decode, no token slots): warp 0 holds a route
+// a lane and works out every position with ballots and shuffles (no shared memory, no
+// atomics, no scan over buckets), while the block issues the sentinel fill. One barrier
+// orders the fill before the stores that overwrite it. align_tiny's chain has four barriers,
+// the shared atomics and a scan over every bucket. Ranks follow the lane order, which is the
+// flat index, so the result is the deterministic one as well.
+#define WARP_ROUTES 32
+
+template <typename IdT>
+__device__ __forceinline__ void align_warp_base(const Problem& p) {
+  const int tid = threadIdx.x, lane = tid & 31;
+  MLA_STAMP(0, 0);
+  Route route{-1, 0};
+  if (tid < 32) route = load_route<IdT>(p, lane, p.numel);
+  // The fill of the one row and of its tiles (fire-and-forget; overwritten after the barrier).
+  const int4 sentinel = make_int4(p.numel, p.numel, p.numel, p.numel);
+  const int units = (reinterpret_cast<unsigned long long>(p.sorted_ids) & 15) == 0
+                        ? (p.padded_len >> 2) : 0;
+#pragma unroll 1
+  for (int k = tid; k < units; k += blockDim.x)
+    reinterpret_cast<int4*>(p.sorted_ids)[k] = sentinel;
+#pragma unroll 1
+  for (int k = 4 * units + tid; k < p.padded_len; k += blockDim.x) p.sorted_ids[k] = p.numel;
+#pragma unroll 1
+  for (int k = tid; k < p.num_tiles; k += blockDim.x) p.expert_ids[k] = -1;
+  MLA_STAMP(0, 1);
+
+  int bucket = -1, rank = 0, padded = 0, start = 0, total = 0;
+  if (tid < 32) {
+    bucket = bucket_of(p, route, nullptr);  // no token slots: `processed` is never read
+    if (p.scatter_idx != nullptr && lane < p.numel) p.scatter_idx[lane] = bucket >= 0 ? lane : -1;
+    const unsigned active = __ballot_sync(MLA_FULL_MASK, bucket >= 0);
+    const unsigned peers = same_bucket_lanes(active, bucket, bucket_bits(p.num_experts));
+    rank = __popc(peers & lanemask_lt());
+    // The first lane of each bucket carries its padded count.
+    if (bucket >= 0 && rank == 0) padded = padded_count(p, __popc(peers));
+    MLA_STAMP(0, 2);
+    // A segment starts after the padded counts of the buckets below it.
+#pragma unroll 1
+    for (unsigned firsts = __ballot_sync(MLA_FULL_MASK, padded != 0); firsts != 0;
+         firsts &= firsts - 1) {
+      const int j = __ffs(firsts) - 1;
+      const int bucket_j = __shfl_sync(MLA_FULL_MASK, bucket, j);
+      const int padded_j = __shfl_sync(MLA_FULL_MASK, padded, j);
+      if (bucket_j < bucket) start += padded_j;
+    }
+    total = __shfl_sync(MLA_FULL_MASK, warp_inclusive_sum(padded), 31);
+  }
+  __syncthreads();
+  MLA_STAMP(0, 3);
+  if (tid < 32) {
+    if (bucket >= 0) p.sorted_ids[start + rank] = lane;
+    if (padded != 0) {
+      const int value = p.map_mode == 2 ? p.expert_map[bucket] : bucket;
+      int* tile = p.expert_ids + fast_div(start, p.block_magic, p.block_shift);
+      const int tiles = fast_div(padded, p.block_magic, p.block_shift);
+#pragma unroll 1
+      for (int k = 0; k < tiles; ++k) tile[k] = value;
+    }
+    if (lane == 0) p.num_post_pad[0] = total;
+  }
+  MLA_STAMP(0, 4);
+#ifdef MLA_PROBE
+  __syncthreads();
+  MLA_STAMP(0, 5);
+#endif
+}
+
 // The dispatcher keeps nb <= TINY_BUCKETS * blockDim.
 template <typename IdT, bool DET>
 __device__ __forceinline__ void align_tiny_block(const Problem& p) {
-  if (num_buckets(p) > (int)blockDim.x) align_tiny_buckets<IdT, TINY_BUCKETS, DET>(p);
+  if (p.numel <= WARP_ROUTES && p.token_slot == nullptr) align_warp_base<IdT>(p);
+  else if (num_buckets(p) > (int)blockDim.x) align_tiny_buckets<IdT, TINY_BUCKETS, DET>(p);
   else align_tiny_buckets<IdT, 1, DET>(p);
 }
 

@@ -1,6 +1,7 @@
 """align_tiny against align_single at decode sizes, in one process (GPU machine).
 
   python3 scripts/tiny_experiment.py [--json PATH] [--baseline DIR] [--variant NAME=DIR]...
+                                     [--runs NAME,...] [--cases PART|PART...]
 
 Every case is timed with graph replay (moe_lora_align.bench.graph_us) under each of RUNS'
 dispatcher settings: align_tiny as dispatched ("tiny"), align_tiny with four buckets a
@@ -33,6 +34,7 @@ from moe_lora_align.testing import segment_starts
 
 CASES = [  # op, T, E, K, B, L
     ("base", 1, 8, 2, 16, None), ("base", 1, 64, 8, 16, None), ("base", 1, 512, 10, 16, None),
+    ("base", 4, 64, 8, 16, None), ("base", 4, 256, 8, 16, None), ("base", 3, 512, 10, 16, None),
     ("base", 16, 64, 8, 16, None), ("base", 16, 256, 8, 16, None),
     ("base", 64, 256, 8, 16, None), ("base", 256, 8, 2, 16, None),
     ("base", 256, 64, 8, 16, None), ("base", 256, 256, 8, 16, None),
@@ -121,6 +123,8 @@ def main():
     ap.add_argument("--baseline", type=Path, help="kernel sources of an earlier commit")
     ap.add_argument("--variant", action="append", default=[], help="NAME=DIR[:1][:det]")
     ap.add_argument("--runs", help="comma-separated names of RUNS to keep (default: all)")
+    ap.add_argument("--cases", default="",
+                    help="'|'-separated parts of the printed case tuples to keep (default: all)")
     args = ap.parse_args()
     stream = cupy.cuda.Stream(non_blocking=True)
     report = {}
@@ -135,7 +139,10 @@ def main():
     print(f"{'case':40s} " + " ".join(f"{n:>10s}" for n, _, _, _, _ in runs)
           + "   (graph us, median of 3 in turn)")
     by_name = {r[0]: r for r in runs}
+    wanted = [part for part in args.cases.split("|") if part]
     for case in CASES:
+        if wanted and not any(part in str(case) for part in wanted):
+            continue
         op, T, E, K, B, L = case
 
         def time_run(name):

@@ -209,6 +209,28 @@ def test_tiny_deterministic_is_exact(E, T, rows, salt):
         _lora_case(E, T, None, True, salt=43 + salt, max_loras=rows, topk=8)
 
 
+# align_tiny's one-warp path (kernels/one_block.cuh: align_warp_base): base alignments of at
+# most WARP_ROUTES (32) routes, on both sides of that limit; E from one bucket to 1024; every
+# routing kind (skewed, invalid ids, -1 tokens) and id width; an expert map applied before or
+# after; with and without scatter indices; free order and deterministic.
+WARP_ROUTES = mla._dispatch.WARP_ROUTES
+WARP_CASES = [(E, T, K) for E in (1, 7, 64, 512, 1024)
+              for T, K in ((1, 1), (1, 8), (3, 10), (4, 8), (32, 1), (33, 1), (5, 7))]
+assert {T * K for _, T, K in WARP_CASES} >= {WARP_ROUTES, WARP_ROUTES + 1}
+
+
+@pytest.mark.parametrize("salt", [0, 1])
+@pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
+@pytest.mark.parametrize("E,T,K", WARP_CASES)
+def test_base_one_warp_path(E, T, K, det, salt):
+    launch = mla._dispatch.choose_launch(T * K, E, 1, mla._launch.device_limits(0),
+                                         deterministic=det)
+    assert launch.kind == "single" and launch.tiny  # the warp path is inside align_tiny
+    mode = (None, "before", "after")[(E + T + K + salt) % 3]
+    _base_case(E, T, None, det, salt=60 + salt, topk=K, expert_map_mode=mode,
+               scatter=(T + salt) % 2 == 1)
+
+
 @pytest.mark.parametrize("E,T,rows", [(64, 1, 1), (257, 255, 1), (64, 255, 16), (1024, 3, 1),
                                       (7, 3, 4), (256, 255, 4), (256, 1, 16), (256, 16, 16),
                                       (1024, 3, 4)])
