@@ -245,6 +245,13 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
 // flat index, so the result is the deterministic one as well.
 #define WARP_ROUTES 32
 
+// A base alignment: one row, always processed. (A LoRA call without tokens has no token
+// slots either, but may list its slots or disable adapters, and has a row per slot.)
+__device__ __forceinline__ bool base_problem(const Problem& p) {
+  return p.rows == 1 && p.token_slot == nullptr && p.lora_ids == nullptr &&
+         p.adapter_enabled == nullptr;
+}
+
 template <typename IdT>
 __device__ __forceinline__ void align_warp_base(const Problem& p) {
   const int tid = threadIdx.x, lane = tid & 31;
@@ -274,16 +281,16 @@ __device__ __forceinline__ void align_warp_base(const Problem& p) {
     // The first lane of each bucket carries its padded count.
     if (bucket >= 0 && rank == 0) padded = padded_count(p, __popc(peers));
     MLA_STAMP(0, 2);
-    // A segment starts after the padded counts of the buckets below it.
-#pragma unroll 1
-    for (unsigned firsts = __ballot_sync(MLA_FULL_MASK, padded != 0); firsts != 0;
-         firsts &= firsts - 1) {
-      const int j = __ffs(firsts) - 1;
+    // A segment starts after the padded counts of the buckets below it. Every lane's pair
+    // is read, unrolled: the shuffles are independent, so they pipeline (a loop over the
+    // first lanes only paid a shuffle round trip per distinct bucket, +0.5 us at 32).
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
       const int bucket_j = __shfl_sync(MLA_FULL_MASK, bucket, j);
       const int padded_j = __shfl_sync(MLA_FULL_MASK, padded, j);
-      if (bucket_j < bucket) start += padded_j;
+      start += bucket_j < bucket ? padded_j : 0;
+      total += padded_j;
     }
-    total = __shfl_sync(MLA_FULL_MASK, warp_inclusive_sum(padded), 31);
   }
   __syncthreads();
   MLA_STAMP(0, 3);
@@ -308,7 +315,7 @@ __device__ __forceinline__ void align_warp_base(const Problem& p) {
 // The dispatcher keeps nb <= TINY_BUCKETS * blockDim.
 template <typename IdT, bool DET>
 __device__ __forceinline__ void align_tiny_block(const Problem& p) {
-  if (p.numel <= WARP_ROUTES && p.token_slot == nullptr) align_warp_base<IdT>(p);
+  if (p.numel <= WARP_ROUTES && base_problem(p)) align_warp_base<IdT>(p);
   else if (num_buckets(p) > (int)blockDim.x) align_tiny_buckets<IdT, TINY_BUCKETS, DET>(p);
   else align_tiny_buckets<IdT, 1, DET>(p);
 }

@@ -231,6 +231,17 @@ def test_base_one_warp_path(E, T, K, det, salt):
                scatter=(T + salt) % 2 == 1)
 
 
+@pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
+@pytest.mark.parametrize("rows,with_ids,disabled", [(1, False, 0), (1, True, 0), (1, False, 1),
+                                                    (1, True, 1), (4, True, 1)])
+def test_lora_without_tokens_keeps_its_rows(rows, with_ids, disabled, det):
+    """A LoRA call with no tokens has no token slots, like a base alignment, but its listed
+    and enabled slots decide which rows are written: never the one-warp base path's row."""
+    for E in (1, 64):
+        _lora_case(E, 0, None, det, salt=70 + rows + disabled, max_loras=rows,
+                   with_ids=with_ids, disabled=disabled)
+
+
 @pytest.mark.parametrize("E,T,rows", [(64, 1, 1), (257, 255, 1), (64, 255, 16), (1024, 3, 1),
                                       (7, 3, 4), (256, 255, 4), (256, 1, 16), (256, 16, 16),
                                       (1024, 3, 4)])
