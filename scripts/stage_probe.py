@@ -70,7 +70,7 @@ extern "C" __global__ void ticket(const int* in, int* part, unsigned* tk, int* o
 """
 
 CASES = [  # op ("... det": deterministic=True), T, E, K, B, L
-    ("base", 1, 64, 8, 16, None), ("base", 256, 256, 8, 16, None),
+    ("base", 1, 64, 8, 16, None), ("lora", 1, 64, 6, 16, 4), ("base", 256, 256, 8, 16, None),
     ("base", 256, 512, 10, 16, None), ("lora", 16, 64, 6, 16, 16), ("lora", 1, 256, 8, 16, 16),
     ("lora", 256, 256, 8, 16, 16), ("base", 4096, 8, 2, 64, None),
     ("base", 16384, 256, 8, 64, None), ("base", 65536, 256, 8, 64, None),
