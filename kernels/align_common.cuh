@@ -154,6 +154,26 @@ __device__ __forceinline__ bool row_written(const Problem& p, const unsigned cha
   return processed[r] || p.fill_unprocessed;
 }
 
+// The processed rows of up to 32 rows as bits in a register, read like the shared flags.
+struct RowBits {
+  unsigned bits;
+  __device__ __forceinline__ bool operator[](int r) const { return (bits >> r) & 1u; }
+};
+
+// RowBits of a call with at most 32 rows, worked out by the calling warp alone (every lane
+// calls it): the same rows as mark_processed_rows, with no shared memory and no barrier.
+__device__ __forceinline__ RowBits processed_row_bits(const Problem& p) {
+  const int lane = threadIdx.x & 31;
+  const int listed = p.lora_ids == nullptr ? 0 : min(p.lora_ids_len, p.rows + 1);
+  const int s0 = lane < listed ? p.lora_ids[lane] : -1;
+  const int s1 = lane + 32 < listed ? p.lora_ids[lane + 32] : -1;
+  const unsigned mine = (s0 >= 0 && s0 < p.rows ? 1u << s0 : 0u) |
+                        (s1 >= 0 && s1 < p.rows ? 1u << s1 : 0u);
+  const unsigned rows_listed = listed > 0 ? warp_or(mine) : MLA_FULL_MASK;
+  const unsigned enabled = __ballot_sync(MLA_FULL_MASK, lane < p.rows && adapter_on(p, lane));
+  return {enabled & rows_listed};
+}
+
 // A route as loaded from global memory: its id and its token's slot. Loading every route of
 // a thread first and classifying afterwards keeps all the loads in flight at once.
 struct Route {
@@ -173,7 +193,9 @@ __device__ __forceinline__ Route load_route(const Problem& p, int i, int end) {
 
 // Bucket of a route, or -1 when it is dropped (invalid id, non-local expert, base-model
 // token, slot not processed). Never reads outside the arrays whatever their values.
-__device__ __forceinline__ int bucket_of(const Problem& p, Route r, const unsigned char* processed) {
+// `processed[slot]`: the row flags in shared memory, or a RowBits.
+template <typename Rows>
+__device__ __forceinline__ int bucket_of(const Problem& p, Route r, const Rows& processed) {
   if (r.id < 0 || r.id >= p.num_experts) return -1;
   int e = (int)r.id;
   if (p.map_mode == 1) {

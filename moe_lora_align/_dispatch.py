@@ -18,8 +18,8 @@ ITEMS_PER_THREAD = 4          # ITEMS_PER_THREAD: routes a thread holds in regis
 TINY_ITEMS = 4                # TINY_ITEMS: align_tiny's routes a thread
 TINY_BUCKETS = 4              # TINY_BUCKETS: align_tiny's buckets a thread when buckets
                               #   outnumber threads
-WARP_ROUTES = 32              # WARP_ROUTES: align_tiny places a base alignment of at most
-                              #   this many routes on one warp (align_warp_base)
+WARP_ROUTES = 32              # WARP_ROUTES: align_tiny places at most this many routes
+                              #   (of at most 32 rows) on one warp (align_warp)
 COOP_ITEMS = 8                # COOP_ITEMS: the cooperative kernels' routes a thread, at most
 CLUSTER_BLOCKS = 8            # CLUSTER_BLOCKS: blocks of align_cluster's one cluster
 CLUSTER_ITEMS = 8             # CLUSTER_ITEMS: align_cluster's routes a thread, at most

@@ -209,12 +209,11 @@ def test_tiny_deterministic_is_exact(E, T, rows, salt):
         _lora_case(E, T, None, True, salt=43 + salt, max_loras=rows, topk=8)
 
 
-# align_tiny's one-warp path (kernels/one_block.cuh: align_warp_base): base alignments of at
-# most WARP_ROUTES (32) routes, on both sides of that limit; E from one bucket to 1024; every
-# routing kind (skewed, invalid ids, -1 tokens) and id width; an expert map applied before or
-# after; with and without scatter indices; free order and deterministic. LoRA calls of the same
-# sizes (up to 33 rows) take align_tiny's block path: listed, disabled and unlisted slots,
-# allocated outputs (unprocessed rows filled).
+# align_tiny's one-warp path (kernels/one_block.cuh: align_warp, its base instance and its
+# general one): at most WARP_ROUTES (32) routes and 32 rows, on both sides of both limits; E
+# from one bucket to 1024; every routing kind (skewed, invalid ids, -1 tokens) and id width;
+# an expert map applied before or after; scatter indices; listed, disabled and unlisted
+# slots, allocated outputs (unprocessed rows filled); free order and deterministic.
 WARP_ROUTES = mla._dispatch.WARP_ROUTES
 WARP_CASES = [(E, T, K) for E in (1, 7, 64, 512, 1024)
               for T, K in ((1, 1), (1, 8), (3, 10), (4, 8), (32, 1), (33, 1), (5, 7))]
@@ -239,7 +238,7 @@ def test_base_one_warp_path(E, T, K, det, salt):
 
 @pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
 @pytest.mark.parametrize("E,T,K,rows", WARP_LORA_CASES)
-def test_lora_at_one_warp_sizes(E, T, K, rows, det):
+def test_lora_one_warp_path(E, T, K, rows, det):
     mix = E + T + K + rows
     _lora_case(E, T, None, det, salt=80 + mix % 7, max_loras=rows, topk=K,
                with_ids=mix % 3 != 0, disabled=mix % 2, allocate=mix % 5 == 0,
