@@ -12,6 +12,10 @@
 #   bench      the benchmark, quick grid;  benchfull  the full grid
 #   det        scripts/det_experiment.py: deterministic mode against the default path
 #   steps      scripts/profile_calls.py --steps: where a prepared eager call's host time goes
+#   decode     scripts/tiny_experiment.py (DECODE_RUNS, DECODE_CASES, DECODE_BASELINE: a folder
+#              of an earlier commit's kernels/, copied in as an untracked folder; the device
+#              has no .git) and stage_probe.py --stamps-only (STAMPS_ONLY); each kernel set
+#              compiles for about 15 s first, so give them minutes (DECODE_S, STAMPS_S)
 # Old spellings: quick = tests memcheck racecheck bench; full = the same with benchfull.
 set -u
 OUT=${OUT:-$PWD/gpu-out}
@@ -86,6 +90,15 @@ for s in $STEPS; do
       timeout ${STEPS_S:-200} python3 scripts/profile_calls.py --steps 2>&1 \
         | tee "$OUT/steps.txt" | tail -40
       echo "steps rc=${PIPESTATUS[0]}" ;;
+    decode)
+      step "decode kernels"
+      timeout ${DECODE_S:-300} python3 scripts/tiny_experiment.py --runs ${DECODE_RUNS:-tiny,det} \
+        ${DECODE_BASELINE:+--baseline "$DECODE_BASELINE"} ${DECODE_CASES:+--cases "$DECODE_CASES"} \
+        --json "$OUT/tiny.json" 2>&1 | tee "$OUT/tiny.txt" | tail -30
+      echo "tiny_experiment rc=${PIPESTATUS[0]}"
+      timeout ${STAMPS_S:-180} python3 scripts/stage_probe.py --stamps-only \
+        --only "${STAMPS_ONLY:-"', 1, "}" --out /tmp/stage-probe 2>&1 | tee "$OUT/stamps.txt" | tail -40
+      echo "stamps rc=${PIPESTATUS[0]}" ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac
 done
