@@ -300,9 +300,23 @@ __device__ __forceinline__ void publish_bits(unsigned* words, int first, int nbi
   if (lane < nbits) words[first + lane] = kept;
 }
 
+// The part of a row of `len` entries that slice `slice` of `slices` writes: [lo, hi), whole
+// groups of `group` entries (4: int4 stores), the last slice taking the rest.
+struct RowPart {
+  int lo, hi;
+};
+__device__ __forceinline__ RowPart row_part(int len, int group, int slice, int slices) {
+  const int per = ((len / group + slices - 1) / slices) * group;
+  return {min(len, slice * per), slice == slices - 1 ? len : min(len, (slice + 1) * per)};
+}
+
 // BASE: a base_problem, compiled apart so the row arithmetic folds away.
+// Slice `slice` of `slices` (blocks of one launch, LoRA decode with many rows of output):
+// every block ranks all the routes (a few hundred at most) and writes only its part of each
+// row, the sentinel fill and the routes and tile ids that land there, so the fill spreads over
+// SMs and no block waits for another.
 template <typename IdT, bool BASE>
-__device__ __forceinline__ void align_ballot(const Problem& p) {
+__device__ __forceinline__ void align_ballot(const Problem& p, int slice, int slices) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, E = p.num_experts;
   const int rows = BASE ? 1 : p.rows;
   const int warps = max(1, (p.numel + 31) >> 5);  // warps holding routes; warp 0 always
@@ -318,18 +332,21 @@ __device__ __forceinline__ void align_ballot(const Problem& p) {
   const int4 sentinel = make_int4(p.numel, p.numel, p.numel, p.numel);
   const bool vec = (BASE || (p.sorted_pitch & 3) == 0) &&
                    ((reinterpret_cast<unsigned long long>(p.sorted_ids) & 15) == 0);
-  const int units = vec ? (p.padded_len >> 2) : 0;
+  const RowPart part = row_part(p.padded_len, vec ? 4 : 1, slice, slices);
+  const RowPart tile_part = row_part(p.num_tiles, 1, slice, slices);
+  const int units = vec ? (part.hi - part.lo) >> 2 : 0;  // int4 stores, then single entries
 #pragma unroll 1
   for (int r = 0; r < rows; ++r) {
     if (!processed[r] && !p.fill_unprocessed) continue;
-    int* row = p.sorted_ids + (long long)r * p.sorted_pitch;
+    int* row = p.sorted_ids + (long long)r * p.sorted_pitch + part.lo;
 #pragma unroll 1
     for (int k = tid; k < units; k += blockDim.x) reinterpret_cast<int4*>(row)[k] = sentinel;
 #pragma unroll 1
-    for (int k = 4 * units + tid; k < p.padded_len; k += blockDim.x) row[k] = p.numel;
+    for (int k = part.lo + 4 * units + tid; k < part.hi; k += blockDim.x)
+      row[k - part.lo] = p.numel;
     int* tiles = p.expert_ids + (long long)r * p.expert_pitch;
 #pragma unroll 1
-    for (int k = tid; k < p.num_tiles; k += blockDim.x) tiles[k] = -1;
+    for (int k = tile_part.lo + tid; k < tile_part.hi; k += blockDim.x) tiles[k] = -1;
   }
   MLA_STAMP(0, 1);
 
@@ -339,15 +356,16 @@ __device__ __forceinline__ void align_ballot(const Problem& p) {
   int bucket = -1, rank = 0, tiles = 0;
   if (warp < warps) {
     bucket = bucket_of(p, route, processed);
-    if (p.scatter_idx != nullptr && tid < p.numel) p.scatter_idx[tid] = bucket >= 0 ? tid : -1;
+    if (p.scatter_idx != nullptr && tid < p.numel && slice == 0)
+      p.scatter_idx[tid] = bucket >= 0 ? tid : -1;
     const unsigned active = __ballot_sync(MLA_FULL_MASK, bucket >= 0);
     publish_bits(mine, 0, nbits, bucket, lane);
     if (lane == 0) mine[BALLOT_ACTIVE] = active;
   }
   if (one_warp) __syncwarp(); else __syncthreads();
   MLA_STAMP(0, 2);
-  // Loops over the warps stay rolled: unrolled, each warp's copy of the code was fetched
-  // cold once per call (about 1000 cycles a warp, measured).
+  // Loops over the warps stay rolled: unrolled (cfcdeee) they cost about 0.6 us a warp of
+  // routes, most likely each copy's code fetched cold (the kernel's code halved rolled).
   if (warp < warps) {
     int count = 0;
 #pragma unroll 1
@@ -388,17 +406,18 @@ __device__ __forceinline__ void align_ballot(const Problem& p) {
   if (warp < warps) {
     if (bucket >= 0) {
       const int r = BASE ? 0 : row_of(p, bucket);
-      const int tile0 = start - row_first;
-      p.sorted_ids[(long long)r * p.sorted_pitch + tile0 * p.block_size + rank] = tid;
-      if (tiles != 0) {
+      const int tile0 = start - row_first, at = tile0 * p.block_size + rank;
+      if (at >= part.lo && at < part.hi) p.sorted_ids[(long long)r * p.sorted_pitch + at] = tid;
+      const int t0 = max(tile0, tile_part.lo), t1 = min(tile0 + tiles, tile_part.hi);
+      if (t0 < t1) {
         int value = bucket - r * E;
         if (p.map_mode == 2) value = p.expert_map[value];
-        int* tile = p.expert_ids + (long long)r * p.expert_pitch + tile0;
+        int* tile = p.expert_ids + (long long)r * p.expert_pitch;
 #pragma unroll 1
-        for (int k = 0; k < tiles; ++k) tile[k] = value;
+        for (int k = t0; k < t1; ++k) tile[k] = value;
       }
     }
-    if (warp == 0 && lane < rows) {
+    if (warp == 0 && lane < rows && slice == 0) {
       if (processed[lane]) p.num_post_pad[lane] = row_tiles * p.block_size;
       else if (p.fill_unprocessed) p.num_post_pad[lane] = 0;
     }
@@ -410,14 +429,17 @@ __device__ __forceinline__ void align_ballot(const Problem& p) {
 #endif
 }
 
-// The dispatcher keeps nb <= TINY_BUCKETS * blockDim.
+// The dispatcher keeps nb <= TINY_BUCKETS * blockDim. Slices past the first: blocks of a
+// launch that spreads the ballot path's writes (the dispatcher gives more than one block only
+// where the ballot path runs; anywhere else they would have nothing to do).
 template <typename IdT, bool DET>
-__device__ __forceinline__ void align_tiny_block(const Problem& p) {
+__device__ __forceinline__ void align_tiny_block(const Problem& p, int slice, int slices) {
   if (p.numel <= p.ballot_max_routes && p.numel <= (int)blockDim.x && p.rows <= 32 &&
       bucket_bits(num_buckets(p)) <= BALLOT_BUCKET_BITS) {
-    if (base_problem(p)) align_ballot<IdT, true>(p);
-    else align_ballot<IdT, false>(p);
+    if (base_problem(p)) align_ballot<IdT, true>(p, slice, slices);
+    else align_ballot<IdT, false>(p, slice, slices);
   }
+  else if (slice > 0) return;
   else if (num_buckets(p) > (int)blockDim.x) align_tiny_buckets<IdT, TINY_BUCKETS, DET>(p);
   else align_tiny_buckets<IdT, 1, DET>(p);
 }
@@ -425,11 +447,11 @@ __device__ __forceinline__ void align_tiny_block(const Problem& p) {
 // (1024, 1): with (1024) alone NVRTC 13.0 gave align_tiny<short> 32 registers on sm_80, and spills.
 template <typename IdT, bool DET>
 __global__ void __launch_bounds__(1024, 1) align_tiny(const Problem p) {
-  align_tiny_block<IdT, DET>(p);
+  align_tiny_block<IdT, DET>(p, blockIdx.x, gridDim.x);
 }
 
 // Base and LoRA alignment in one launch of two tiny blocks (block 0: `first`).
 template <typename IdT, bool DET>
 __global__ void __launch_bounds__(1024, 1) align_tiny_pair(const Problem first, const Problem second) {
-  align_tiny_block<IdT, DET>(blockIdx.x == 0 ? first : second);
+  align_tiny_block<IdT, DET>(blockIdx.x == 0 ? first : second, 0, 1);
 }

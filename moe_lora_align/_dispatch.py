@@ -48,6 +48,9 @@ class AlignPolicy:
     # align_tiny ranks up to this many routes (of at most 32 rows) with warp ballots, no
     # atomics and no scan (align_ballot); at most 32 * BALLOT_WARPS, 0 turns it off.
     ballot_max_routes: int = 512
+    # Its output entries a block writes, about: larger fills (LoRA decode with many slots)
+    # spread over more blocks, each of which ranks every route and writes its part of a row.
+    ballot_entries_per_block: int = 8192
     single_block_sizes: Tuple[int, ...] = (128, 256, 512, 1024)  # align_single's choices
     one_route_per_thread: int = 512      # up to this many routes, a thread claims one
     entries_per_thread: int = 64         # output entries a thread of one block writes, at most
@@ -294,6 +297,20 @@ def ballot_bytes(numel: int, routes: int) -> int:
     return 4 * BALLOT_WORDS * max(1, _ceil_div(numel, 32)) if numel <= routes else 0
 
 
+def ballot_path(numel: int, num_buckets: int, rows: int, block: int, routes: int) -> bool:
+    """Whether align_tiny takes its ballot path (kernels/one_block.cuh: align_tiny_block)."""
+    return (numel <= routes and numel <= block and rows <= 32
+            and max(num_buckets - 1, 0).bit_length() <= BALLOT_BUCKET_BITS)
+
+
+def ballot_blocks(out_entries: int, limits: DeviceLimits,
+                  policy: AlignPolicy = DEFAULT_POLICY) -> int:
+    """Blocks of a ballot-path launch: ``ballot_entries_per_block`` output entries each,
+    at most one an SM."""
+    return max(1, min(limits.sm_count, _ceil_div(out_entries,
+                                                 max(policy.ballot_entries_per_block, 1))))
+
+
 def _single_block(numel, num_buckets, rows, deterministic, limits, out_entries=0,
                   use_tiny=True, policy: AlignPolicy = DEFAULT_POLICY):
     if numel > SINGLE_BLOCK_MAX_ROUTES:
@@ -306,9 +323,11 @@ def _single_block(numel, num_buckets, rows, deterministic, limits, out_entries=0
         ballot = ballot_routes(policy)
         smem = max(base + (tiny_warp_counter_bytes(numel, tiny, num_buckets)
                            if deterministic else 0), ballot_bytes(numel, ballot))
+        grid = (ballot_blocks(out_entries, limits, policy)
+                if ballot_path(numel, num_buckets, rows, tiny, ballot) else 1)
         if smem <= limits.dynamic_smem:
-            return Launch("shared", "single", deterministic, tiny, smem_single=smem, tiny=True,
-                          ballot_routes=ballot)
+            return Launch("shared", "single", deterministic, tiny, grid=grid, smem_single=smem,
+                          tiny=True, ballot_routes=ballot)
     if not deterministic:
         if base > limits.dynamic_smem:
             return None

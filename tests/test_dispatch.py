@@ -546,6 +546,26 @@ def test_ballot_path_gets_its_shared_words(numel, limit, need):
         assert given >= needs >= need
 
 
+@pytest.mark.parametrize("numel,buckets,rows,spread", [
+    (128, 16 * 256, 16, True),     # LoRA decode, 16 slots: the fill spreads
+    (512, 4 * 64, 4, True),        # the most routes the ballot path takes
+    (513, 4 * 64, 4, False),       # one more: align_tiny's counting path, one block
+    (128, 33 * 64, 33, False),     # more rows than one warp's bits
+    (0, 16 * 256, 16, True)])      # no routes: the empty alignment, still every row
+def test_ballot_path_spreads_its_fill(numel, buckets, rows, spread):
+    """Ballot-path launches get a block per ``ballot_entries_per_block`` output entries (at
+    most one an SM); every other one-block launch keeps one block, and the fused pair two."""
+    entries = 66000  # below coop_over_single_entries
+    launch = d.choose_launch(numel, buckets, rows, H200, out_entries=entries)
+    assert launch.kind == "single" and launch.tiny
+    want = d.ballot_blocks(entries, H200) if spread else 1
+    assert launch.grid == want and (want > 1) == spread
+    assert d.ballot_blocks(10 ** 9, H200) == H200.sm_count
+    assert d.ballot_blocks(0, H200) == 1
+    pair = d.choose_pair(numel, 256, buckets, rows, H200, out_entries=entries)
+    assert pair is None or pair.grid == 2
+
+
 def test_ballot_limit_is_what_the_kernel_holds():
     assert d.ballot_routes(d.AlignPolicy(ballot_max_routes=1 << 20)) == 32 * d.BALLOT_WARPS
     assert d.ballot_routes(d.AlignPolicy(ballot_max_routes=-5)) == 0

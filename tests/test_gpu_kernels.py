@@ -271,6 +271,27 @@ def test_ballot_limit_follows_the_policy(E, T, K, rows, limit):
                        policy=policy)
 
 
+@pytest.mark.parametrize("per_block", [1, 100, 4096])
+@pytest.mark.parametrize("E,T,K,rows", [(256, 16, 8, 16), (64, 5, 7, 4), (128, 64, 8, 32),
+                                        (512, 4, 8, 1), (7, 3, 10, 1), (1, 33, 1, 1)])
+def test_ballot_path_spread_over_blocks(E, T, K, rows, per_block):
+    """The ballot path over several blocks, each writing its part of every row: from one
+    part an SM (an entry a block asked) to a few, row lengths that do not split evenly, with
+    and without 16-byte stores (allocated LoRA outputs), listed and disabled slots."""
+    policy = mla.AlignPolicy(ballot_entries_per_block=per_block)
+    launch = mla._dispatch.choose_launch(T * K, rows * E, rows, mla._launch.device_limits(0),
+                                         out_entries=4096, policy=policy)
+    assert launch.tiny and launch.grid == mla._dispatch.ballot_blocks(
+        4096, mla._launch.device_limits(0), policy) > 1
+    for det in (False, True):
+        if rows == 1:
+            _base_case(E, T, None, det, salt=95 + per_block, topk=K, scatter=True,
+                       policy=policy)
+        else:
+            _lora_case(E, T, None, det, salt=96 + per_block, max_loras=rows, topk=K,
+                       allocate=per_block == 100, use_map=det, policy=policy)
+
+
 @pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
 @pytest.mark.parametrize("rows,with_ids,disabled", [(1, False, 0), (1, True, 0), (1, False, 1),
                                                     (1, True, 1), (4, True, 1)])
