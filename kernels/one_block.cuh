@@ -237,188 +237,84 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Up to p.ballot_max_routes routes (at most BALLOT_WARPS warps of 32) and 32 rows (decode):
-// ranks and segment starts from ballots alone, no atomics and no scan over the buckets.
-// Route i sits in lane i % 32 of warp i / 32. Each warp publishes the ballots of its buckets'
-// bits; a lane then compares its bucket against every warp's lanes, bit by bit from the top
-// (compare_lanes), which gives the lanes holding the same bucket (the count and the rank, in
-// flat order) and those holding a smaller one. The first route of each bucket publishes its
-// tile count bit by bit, and a segment starts after the tiles of the smaller buckets: the
-// popcounts of the smaller lanes' tile bits. Two barriers (one when a warp holds every route),
-// against align_tiny's four and its scan over every bucket. Ranks follow the flat index, so
-// the result is the deterministic one as well. Meanwhile the block issues the sentinel fill of
-// the written rows, which the barriers order before the stores that overwrite it.
-// Dynamic shared memory: BALLOT_WORDS unsigned a warp holding routes (the row region is not
-// used: rows come from processed_row_bits).
-#define BALLOT_WARPS 16
-#define BALLOT_BUCKET_BITS 13   // bucket ids below 8192 (align_tiny: at most 4096 buckets)
-#define BALLOT_TILE_BITS 10     // a bucket's tiles <= its routes <= 32 * BALLOT_WARPS = 512
-#define BALLOT_WORDS 32         // a warp's words: bucket bits [0, 13), active lanes at 13,
-#define BALLOT_ACTIVE 13        //   tile bits from BALLOT_TILES
-#define BALLOT_TILES 16
+// At most WARP_ROUTES routes and 32 rows (decode): warp 0 holds a route a lane and works out
+// every position with ballots and shuffles (no shared memory, no atomics, no scan over the
+// buckets), while the block issues the sentinel fill of the written rows (each warp reads the
+// processed rows itself, so the fill waits for no barrier). One barrier orders the fill
+// before the stores that overwrite it. align_tiny's chain has four barriers, the shared
+// atomics and a scan over every bucket. Ranks follow the lane order, which is the flat
+// index, so the result is the deterministic one as well.
+#define WARP_ROUTES 32
 
-// Lanes of one warp's published ballots holding a bucket below x (lt) and equal to x (eq).
-struct LaneSplit {
-  unsigned lt, eq;
-};
-__device__ __forceinline__ LaneSplit compare_lanes(const unsigned* words, int nbits, int x) {
-  unsigned lt = 0, eq = words[BALLOT_ACTIVE];
-#pragma unroll 4
-  for (int k = nbits - 1; k >= 0; --k) {
-    const unsigned set = words[k], want = (x >> k) & 1 ? MLA_FULL_MASK : 0u;
-    lt |= eq & ~set & want;
-    eq &= ~(set ^ want);
-  }
-  return {lt, eq};
-}
-
-// Tiles of the first routes of buckets among `lanes` of one warp (its published tile bits).
-__device__ __forceinline__ int tiles_of_lanes(const unsigned* words, int tbits, unsigned lanes) {
-  int sum = 0;
-#pragma unroll 2
-  for (int m = 0; m < tbits; ++m) sum += __popc(lanes & words[BALLOT_TILES + m]) << m;
-  return sum;
-}
-
-// A base alignment: one row, always processed. (A LoRA call without tokens has no token
-// slots either, but may list its slots or disable adapters, and has a row per slot.)
-__device__ __forceinline__ bool base_problem(const Problem& p) {
-  return p.rows == 1 && p.token_slot == nullptr && p.lora_ids == nullptr &&
-         p.adapter_enabled == nullptr;
-}
-
-// The published bits `value`'s lanes hold, nbits of them, stored from word `first` on: lane k
-// keeps ballot k and writes it (one store a lane).
-__device__ __forceinline__ void publish_bits(unsigned* words, int first, int nbits, int value,
-                                             int lane) {
-  unsigned kept = 0;
-#pragma unroll 4
-  for (int k = 0; k < nbits; ++k) {
-    const unsigned set = __ballot_sync(MLA_FULL_MASK, (value >> k) & 1);
-    if (lane == k) kept = set;
-  }
-  if (lane < nbits) words[first + lane] = kept;
-}
-
-// The part of a row of `len` entries that slice `slice` of `slices` writes: [lo, hi), whole
-// groups of `group` entries (4: int4 stores), the last slice taking the rest.
-struct RowPart {
-  int lo, hi;
-};
-__device__ __forceinline__ RowPart row_part(int len, int group, int slice, int slices) {
-  const int per = ((len / group + slices - 1) / slices) * group;
-  return {min(len, slice * per), slice == slices - 1 ? len : min(len, (slice + 1) * per)};
-}
-
-// BASE: a base_problem, compiled apart so the row arithmetic folds away.
-// Slice `slice` of `slices` (blocks of one launch, LoRA decode with many rows of output):
-// every block ranks all the routes (a few hundred at most) and writes only its part of each
-// row, the sentinel fill and the routes and tile ids that land there, so the fill spreads over
-// SMs and no block waits for another.
-template <typename IdT, bool BASE>
-__device__ __forceinline__ void align_ballot(const Problem& p, int slice, int slices) {
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, E = p.num_experts;
-  const int rows = BASE ? 1 : p.rows;
-  const int warps = max(1, (p.numel + 31) >> 5);  // warps holding routes; warp 0 always
-  const bool one_warp = warps == 1;                // block-uniform: its barriers are alike
-  unsigned* words = reinterpret_cast<unsigned*>(dynamic_smem);
-  unsigned* mine = words + warp * BALLOT_WORDS;
+template <typename IdT>
+__device__ __forceinline__ void align_warp(const Problem& p) {
+  const int tid = threadIdx.x, lane = tid & 31, E = p.num_experts;
   MLA_STAMP(0, 0);
   Route route{-1, 0};
-  if (warp < warps) route = load_route<IdT>(p, tid, p.numel);
-  const RowBits processed = BASE ? RowBits{1u} : processed_row_bits(p);
-  // The fill of every written row and of its tiles (fire-and-forget; overwritten after a
+  if (tid < 32) route = load_route<IdT>(p, lane, p.numel);
+  const RowBits processed = processed_row_bits(p);
+  // The fill of every written row and of its tiles (fire-and-forget; overwritten after the
   // barrier by the routes and the tiles' owners).
   const int4 sentinel = make_int4(p.numel, p.numel, p.numel, p.numel);
-  const bool vec = (BASE || (p.sorted_pitch & 3) == 0) &&
+  const bool vec = ((p.sorted_pitch & 3) == 0) &&
                    ((reinterpret_cast<unsigned long long>(p.sorted_ids) & 15) == 0);
-  const RowPart part = row_part(p.padded_len, vec ? 4 : 1, slice, slices);
-  const RowPart tile_part = row_part(p.num_tiles, 1, slice, slices);
-  const int units = vec ? (part.hi - part.lo) >> 2 : 0;  // int4 stores, then single entries
+  const int units = vec ? (p.padded_len >> 2) : 0;
 #pragma unroll 1
-  for (int r = 0; r < rows; ++r) {
+  for (int r = 0; r < p.rows; ++r) {
     if (!processed[r] && !p.fill_unprocessed) continue;
-    int* row = p.sorted_ids + (long long)r * p.sorted_pitch + part.lo;
+    int* row = p.sorted_ids + (long long)r * p.sorted_pitch;
 #pragma unroll 1
     for (int k = tid; k < units; k += blockDim.x) reinterpret_cast<int4*>(row)[k] = sentinel;
 #pragma unroll 1
-    for (int k = part.lo + 4 * units + tid; k < part.hi; k += blockDim.x)
-      row[k - part.lo] = p.numel;
+    for (int k = 4 * units + tid; k < p.padded_len; k += blockDim.x) row[k] = p.numel;
     int* tiles = p.expert_ids + (long long)r * p.expert_pitch;
 #pragma unroll 1
-    for (int k = tile_part.lo + tid; k < tile_part.hi; k += blockDim.x) tiles[k] = -1;
+    for (int k = tid; k < p.num_tiles; k += blockDim.x) tiles[k] = -1;
   }
   MLA_STAMP(0, 1);
 
-  const int nbits = bucket_bits(BASE ? E : num_buckets(p));
-  const int max_tiles = fast_div(p.numel + p.block_size - 1, p.block_magic, p.block_shift);
-  const int tbits = 32 - __clz(max_tiles);  // a bucket's tile count fits these bits
-  int bucket = -1, rank = 0, tiles = 0;
-  if (warp < warps) {
+  int bucket = -1, rank = 0, padded = 0, start = 0, total = 0;
+  if (tid < 32) {
     bucket = bucket_of(p, route, processed);
-    if (p.scatter_idx != nullptr && tid < p.numel && slice == 0)
-      p.scatter_idx[tid] = bucket >= 0 ? tid : -1;
+    if (p.scatter_idx != nullptr && lane < p.numel) p.scatter_idx[lane] = bucket >= 0 ? lane : -1;
     const unsigned active = __ballot_sync(MLA_FULL_MASK, bucket >= 0);
-    publish_bits(mine, 0, nbits, bucket, lane);
-    if (lane == 0) mine[BALLOT_ACTIVE] = active;
-  }
-  if (one_warp) __syncwarp(); else __syncthreads();
-  MLA_STAMP(0, 2);
-  // Loops over the warps stay rolled: unrolled (cfcdeee) they cost about 0.6 us a warp of
-  // routes, most likely each copy's code fetched cold (the kernel's code halved rolled).
-  if (warp < warps) {
-    int count = 0;
-#pragma unroll 1
-    for (int w = 0; w < warps; ++w) {
-      const unsigned same = compare_lanes(words + w * BALLOT_WORDS, nbits, bucket).eq;
-      count += __popc(same);
-      if (w < warp) rank += __popc(same);
-      else if (w == warp) rank += __popc(same & lanemask_lt());
+    const unsigned peers = same_bucket_lanes(active, bucket, bucket_bits(num_buckets(p)));
+    rank = __popc(peers & lanemask_lt());
+    // The first lane of each bucket carries its padded count.
+    if (bucket >= 0 && rank == 0) padded = padded_count(p, __popc(peers));
+    MLA_STAMP(0, 2);
+    // A segment starts after the padded counts of the buckets below it in its row; lane r
+    // sums row r's. Every lane's pair is read, unrolled: the shuffles are independent, so
+    // they pipeline (a loop over the first lanes only paid a shuffle round trip per distinct
+    // bucket: +0.5 us at 32 routes).
+    const int row_first = bucket >= 0 ? row_of(p, bucket) * E : 0;
+    const int mine_lo = lane * E, mine_hi = mine_lo + E;
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      const int bucket_j = __shfl_sync(MLA_FULL_MASK, bucket, j);
+      const int padded_j = __shfl_sync(MLA_FULL_MASK, padded, j);
+      start += bucket_j < bucket && bucket_j >= row_first ? padded_j : 0;
+      total += bucket_j >= mine_lo && bucket_j < mine_hi ? padded_j : 0;
     }
-    // The first route of each bucket carries its tile count.
-    if (bucket >= 0 && rank == 0)
-      tiles = fast_div(count + p.block_size - 1, p.block_magic, p.block_shift);
-    publish_bits(mine, BALLOT_TILES, tbits, tiles, lane);
   }
-  if (one_warp) __syncwarp(); else __syncthreads();
+  __syncthreads();
   MLA_STAMP(0, 3);
-  int start = 0, row_first = 0, row_tiles = 0;  // in tiles
-  if (warp < warps) {
-    // Lane r (LoRA): tiles of the rows below row r; a route's row start comes from its row's
-    // lane, and row r's tiles are the next row's start less its own.
-    int rows_below = 0, all = 0;
-#pragma unroll 1
-    for (int w = 0; w < warps; ++w) {
-      const unsigned* ws = words + w * BALLOT_WORDS;
-      start += tiles_of_lanes(ws, tbits, compare_lanes(ws, nbits, bucket).lt);
-      if (!BASE) rows_below += tiles_of_lanes(ws, tbits, compare_lanes(ws, nbits, lane * E).lt);
-      all += tiles_of_lanes(ws, tbits, MLA_FULL_MASK);
-    }
-    if (BASE) {
-      row_tiles = all;
-    } else {
-      row_first = __shfl_sync(MLA_FULL_MASK, rows_below, bucket >= 0 ? row_of(p, bucket) : 0);
-      const int next = __shfl_sync(MLA_FULL_MASK, rows_below, (lane + 1) & 31);
-      row_tiles = (lane + 1 < rows ? next : all) - rows_below;
-    }
-  }
-  if (one_warp) __syncthreads();  // the fill before the stores below
-  if (warp < warps) {
+  if (tid < 32) {
     if (bucket >= 0) {
-      const int r = BASE ? 0 : row_of(p, bucket);
-      const int tile0 = start - row_first, at = tile0 * p.block_size + rank;
-      if (at >= part.lo && at < part.hi) p.sorted_ids[(long long)r * p.sorted_pitch + at] = tid;
-      const int t0 = max(tile0, tile_part.lo), t1 = min(tile0 + tiles, tile_part.hi);
-      if (t0 < t1) {
+      const int r = row_of(p, bucket);
+      p.sorted_ids[(long long)r * p.sorted_pitch + start + rank] = lane;
+      if (padded != 0) {
         int value = bucket - r * E;
         if (p.map_mode == 2) value = p.expert_map[value];
-        int* tile = p.expert_ids + (long long)r * p.expert_pitch;
+        int* tile = p.expert_ids + (long long)r * p.expert_pitch +
+                    fast_div(start, p.block_magic, p.block_shift);
+        const int tiles = fast_div(padded, p.block_magic, p.block_shift);
 #pragma unroll 1
-        for (int k = t0; k < t1; ++k) tile[k] = value;
+        for (int k = 0; k < tiles; ++k) tile[k] = value;
       }
     }
-    if (warp == 0 && lane < rows && slice == 0) {
-      if (processed[lane]) p.num_post_pad[lane] = row_tiles * p.block_size;
+    if (lane < p.rows) {
+      if (processed[lane]) p.num_post_pad[lane] = total;
       else if (p.fill_unprocessed) p.num_post_pad[lane] = 0;
     }
   }
@@ -429,17 +325,10 @@ __device__ __forceinline__ void align_ballot(const Problem& p, int slice, int sl
 #endif
 }
 
-// The dispatcher keeps nb <= TINY_BUCKETS * blockDim. Slices past the first: blocks of a
-// launch that spreads the ballot path's writes (the dispatcher gives more than one block only
-// where the ballot path runs; anywhere else they would have nothing to do).
+// The dispatcher keeps nb <= TINY_BUCKETS * blockDim.
 template <typename IdT, bool DET>
-__device__ __forceinline__ void align_tiny_block(const Problem& p, int slice, int slices) {
-  if (p.numel <= p.ballot_max_routes && p.numel <= (int)blockDim.x && p.rows <= 32 &&
-      bucket_bits(num_buckets(p)) <= BALLOT_BUCKET_BITS) {
-    if (base_problem(p)) align_ballot<IdT, true>(p, slice, slices);
-    else align_ballot<IdT, false>(p, slice, slices);
-  }
-  else if (slice > 0) return;
+__device__ __forceinline__ void align_tiny_block(const Problem& p) {
+  if (p.numel <= WARP_ROUTES && p.rows <= 32) align_warp<IdT>(p);
   else if (num_buckets(p) > (int)blockDim.x) align_tiny_buckets<IdT, TINY_BUCKETS, DET>(p);
   else align_tiny_buckets<IdT, 1, DET>(p);
 }
@@ -447,11 +336,11 @@ __device__ __forceinline__ void align_tiny_block(const Problem& p, int slice, in
 // (1024, 1): with (1024) alone NVRTC 13.0 gave align_tiny<short> 32 registers on sm_80, and spills.
 template <typename IdT, bool DET>
 __global__ void __launch_bounds__(1024, 1) align_tiny(const Problem p) {
-  align_tiny_block<IdT, DET>(p, blockIdx.x, gridDim.x);
+  align_tiny_block<IdT, DET>(p);
 }
 
 // Base and LoRA alignment in one launch of two tiny blocks (block 0: `first`).
 template <typename IdT, bool DET>
 __global__ void __launch_bounds__(1024, 1) align_tiny_pair(const Problem first, const Problem second) {
-  align_tiny_block<IdT, DET>(blockIdx.x == 0 ? first : second, 0, 1);
+  align_tiny_block<IdT, DET>(blockIdx.x == 0 ? first : second);
 }
