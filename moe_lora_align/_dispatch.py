@@ -20,6 +20,10 @@ TINY_BUCKETS = 4              # TINY_BUCKETS: align_tiny's buckets a thread when
                               #   outnumber threads
 WARP_ROUTES = 32              # WARP_ROUTES: align_tiny places at most this many routes
                               #   (of at most 32 rows) on one warp (align_warp)
+BALLOT_WARPS = 16             # BALLOT_WARPS: align_tiny's ballot path holds a route a lane
+                              #   in at most this many warps (align_ballot)
+BALLOT_WORDS = 32             # BALLOT_WORDS: its shared words a warp holding routes
+BALLOT_BUCKET_BITS = 13       # BALLOT_BUCKET_BITS: bucket ids it ranks are below 2**this
 COOP_ITEMS = 8                # COOP_ITEMS: the cooperative kernels' routes a thread, at most
 CLUSTER_BLOCKS = 8            # CLUSTER_BLOCKS: blocks of align_cluster's one cluster
 CLUSTER_ITEMS = 8             # CLUSTER_ITEMS: align_cluster's routes a thread, at most
@@ -43,6 +47,14 @@ class AlignPolicy:
     # One block at decode sizes: align_tiny where it fits, else align_single.
     use_tiny: bool = True
     tiny_one_bucket_max: int = 1024      # align_tiny: a thread a bucket up to this, then 1 per 4
+    # align_tiny ranks up to this many routes (of at most 32 rows) with warp ballots, no
+    # atomics and no scan (align_ballot, over WARP_ROUTES: align_warp takes fewer); at most
+    # 32 * BALLOT_WARPS, WARP_ROUTES or less turns it off.
+    ballot_max_routes: int = 512
+    # align_tiny's output entries a block writes, about, above WARP_ROUTES routes: larger
+    # fills (LoRA decode with many slots) spread over more blocks, each of which ranks every
+    # route and writes its part of each row.
+    tiny_entries_per_block: int = 8192
     single_block_sizes: Tuple[int, ...] = (128, 256, 512, 1024)  # align_single's choices
     one_route_per_thread: int = 512      # up to this many routes, a thread claims one
     entries_per_thread: int = 64         # output entries a thread of one block writes, at most
@@ -121,6 +133,7 @@ class Launch:
     starts_in_smem: bool = False  # place kernel copies the segment starts to shared memory
     stage_output: bool = False    # place kernel stages routes for coalesced stores (shared)
     tiny: bool = False            # single: align_tiny (a thread per bucket), not align_single
+    ballot_routes: int = 0        # tiny: ranks up to this many routes with ballots
     sorted: bool = False      # cooperative, deterministic: sorts every segment after a
                               #   second barrier (else ranks in flat order)
     order_grid: int = 0       # > 0: then align_order, this many blocks, sorts every segment
@@ -275,6 +288,31 @@ def tiny_warp_counter_bytes(numel: int, block: int, num_buckets: int) -> int:
     return 2 * _ceil_div(numel, 32 * items) * (num_buckets + (num_buckets & 1))
 
 
+def ballot_routes(policy: AlignPolicy = DEFAULT_POLICY) -> int:
+    """The most routes align_tiny ranks with ballots (the policy's, within what the kernel
+    holds)."""
+    return max(0, min(policy.ballot_max_routes, 32 * BALLOT_WARPS))
+
+
+def ballot_bytes(numel: int, routes: int) -> int:
+    """Dynamic shared bytes align_tiny's ballot path needs (kernels/one_block.cuh:
+    align_ballot): BALLOT_WORDS words a warp holding routes, where it may run. It takes
+    calls of more than WARP_ROUTES and at most ``routes`` routes (and at most 32 rows), from
+    offset 0."""
+    return 4 * BALLOT_WORDS * _ceil_div(numel, 32) if WARP_ROUTES < numel <= routes else 0
+
+
+def tiny_blocks(numel: int, rows: int, out_entries: int, limits: DeviceLimits,
+                policy: AlignPolicy = DEFAULT_POLICY) -> int:
+    """Blocks of an align_tiny launch: ``tiny_entries_per_block`` output entries each, at
+    most one an SM; one where the one-warp path takes the call (kernels/one_block.cuh:
+    align_tiny_block)."""
+    if numel <= WARP_ROUTES and rows <= 32:
+        return 1
+    return max(1, min(limits.sm_count, _ceil_div(out_entries,
+                                                 max(policy.tiny_entries_per_block, 1))))
+
+
 def _single_block(numel, num_buckets, rows, deterministic, limits, out_entries=0,
                   use_tiny=True, policy: AlignPolicy = DEFAULT_POLICY):
     if numel > SINGLE_BLOCK_MAX_ROUTES:
@@ -284,9 +322,13 @@ def _single_block(numel, num_buckets, rows, deterministic, limits, out_entries=0
     tiny = (tiny_block_threads(numel, out_entries, num_buckets, policy)
             if policy.use_tiny and use_tiny else None)
     if tiny is not None:
-        smem = base + (tiny_warp_counter_bytes(numel, tiny, num_buckets) if deterministic else 0)
+        ballot = ballot_routes(policy)
+        smem = max(base + (tiny_warp_counter_bytes(numel, tiny, num_buckets)
+                           if deterministic else 0), ballot_bytes(numel, ballot))
+        grid = tiny_blocks(numel, rows, out_entries, limits, policy)
         if smem <= limits.dynamic_smem:
-            return Launch("shared", "single", deterministic, tiny, smem_single=smem, tiny=True)
+            return Launch("shared", "single", deterministic, tiny, grid=grid, smem_single=smem,
+                          tiny=True, ballot_routes=ballot)
     if not deterministic:
         if base > limits.dynamic_smem:
             return None
@@ -635,9 +677,10 @@ def choose_pair(numel: int, base_buckets: int, lora_buckets: int, rows: int,
         if deterministic:  # the counters follow the block: both sides at the larger one
             smem = max(smem_one_block(nb, r, tiny_warp_counter_bytes(numel, block, nb))
                        for nb, r in ((base_buckets, 1), (lora_buckets, rows)))
+        smem = max(smem, ballot_bytes(numel, base.ballot_routes))
         if smem <= limits.dynamic_smem:
             return Launch("shared", "single", deterministic, block, grid=2, smem_single=smem,
-                          tiny=True)
+                          tiny=True, ballot_routes=base.ballot_routes)
     if base.tiny or lora.tiny:  # two align_single blocks, each side sized for that kernel
         base, lora = (_single_block(numel, nb, r, deterministic, limits, e, use_tiny=False,
                                     policy=policy)
@@ -676,8 +719,9 @@ def kernel_demands(launch, numel: int, sides) -> list:
                    for (nb, r), side in zip(sides, (launch.base, launch.lora)))
         return [("cooperative_pair", launch.grid, BLOCK, launch.smem, need)]
     if launch.kind == "single":
-        need = max(smem_one_block(nb, r, _one_block_counters(launch, numel, nb))
-                   for nb, r in sides)
+        need = max(max(smem_one_block(nb, r, _one_block_counters(launch, numel, nb))
+                       for nb, r in sides),
+                   ballot_bytes(numel, launch.ballot_routes) if launch.tiny else 0)
         return [("tiny" if launch.tiny else "single", launch.grid, launch.block,
                  launch.smem_single, need)]
     if launch.kind == "cluster":

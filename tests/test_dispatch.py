@@ -521,10 +521,64 @@ def test_kernel_constants_match_the_cuda_source():
 
     src = _kernels.source()
     defined = dict(re.findall(r"^#define (\w+) (\d+)", src, flags=re.M))
-    for name in ("ITEMS_PER_THREAD", "TINY_ITEMS", "TINY_BUCKETS", "WARP_ROUTES", "COOP_ITEMS",
+    for name in ("ITEMS_PER_THREAD", "TINY_ITEMS", "TINY_BUCKETS", "WARP_ROUTES", "BALLOT_WARPS",
+                 "BALLOT_WORDS",
+                 "BALLOT_BUCKET_BITS", "COOP_ITEMS",
                  "CLUSTER_BLOCKS", "CLUSTER_ITEMS", "ORDER_ITEMS", "ORDER_DIGITS_MAX",
                  "MODE_SHARED", "MODE_GLOBAL", "MODE_DETERMINISTIC"):
         assert int(defined[name]) == getattr(d, name), name
+
+
+@pytest.mark.parametrize("numel,limit,need", [(0, 512, 0), (1, 512, 0), (32, 512, 0),
+                                              (33, 512, 256), (512, 512, 16 * 128),
+                                              (513, 512, 0), (100, 0, 0), (100, 99, 0)])
+def test_ballot_path_gets_its_shared_words(numel, limit, need):
+    """align_tiny's ballot path (calls of more than WARP_ROUTES and at most
+    ballot_max_routes routes; align_warp takes fewer, without shared words) keeps
+    BALLOT_WORDS words a warp of routes in dynamic shared memory: the launch gives at least
+    that, alone or fused with a LoRA side, and the launcher's guard asks for it."""
+    policy = d.AlignPolicy(ballot_max_routes=limit)
+    assert d.ballot_bytes(numel, d.ballot_routes(policy)) == need
+    single = d.choose_launch(numel, 8, 1, H200, policy=policy)
+    pair = d.choose_pair(numel, 8, 8 * 4, 4, H200, policy=policy)
+    for launch, sides in ((single, [(8, 1)]), (pair, [(8, 1), (32, 4)])):
+        assert launch.tiny and launch.ballot_routes == limit
+        assert launch.smem_single >= need
+        (_, _, _, given, needs), = d.kernel_demands(launch, numel, sides)
+        assert given >= needs >= need
+
+
+@pytest.mark.parametrize("numel,buckets,rows,spread", [
+    (128, 16 * 256, 16, True),     # LoRA decode, 16 slots: the fill spreads (ballot path)
+    (512, 4 * 64, 4, True),        # the most routes the ballot path takes
+    (513, 4 * 64, 4, True),        # one more: align_tiny's counting path spreads too
+    (128, 33 * 64, 33, True),      # more rows than one warp's bits: the counting path
+    (33, 16 * 256, 16, True),      # the fewest routes the ballot path takes
+    (32, 16 * 256, 16, False),     # one warp of routes: align_warp, one block
+    (32, 33 * 64, 33, True),       # ... but not with more than 32 rows
+    (0, 16 * 256, 16, False)])     # no routes: align_warp too
+def test_tiny_spreads_its_fill(numel, buckets, rows, spread):
+    """align_tiny launches get a block per ``tiny_entries_per_block`` output entries (at most
+    one an SM), except on the one-warp path; align_single keeps one block, and the fused
+    pair two."""
+    entries = 66000  # below coop_over_single_entries
+    launch = d.choose_launch(numel, buckets, rows, H200, out_entries=entries)
+    assert launch.kind == "single" and launch.tiny
+    want = d.tiny_blocks(numel, rows, entries, H200) if spread else 1
+    assert launch.grid == want and (want > 1) == spread
+    assert d.tiny_blocks(33, 1, 10 ** 9, H200) == H200.sm_count
+    assert d.tiny_blocks(33, 1, 0, H200) == 1
+    assert d.choose_launch(numel, buckets, rows, H200, out_entries=entries,
+                           policy=d.AlignPolicy(use_tiny=False)).grid == 1
+    pair = d.choose_pair(numel, 256, buckets, rows, H200, out_entries=entries)
+    assert pair is None or pair.grid == 2
+
+
+def test_ballot_limit_is_what_the_kernel_holds():
+    assert d.ballot_routes(d.AlignPolicy(ballot_max_routes=1 << 20)) == 32 * d.BALLOT_WARPS
+    assert d.ballot_routes(d.AlignPolicy(ballot_max_routes=-5)) == 0
+    # every bucket id align_tiny takes fits the ballot path's bits
+    assert d.TINY_BUCKETS * d.BLOCK <= 1 << d.BALLOT_BUCKET_BITS
 
 
 def test_policy_is_a_value_the_dispatcher_takes():
