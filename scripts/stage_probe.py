@@ -91,7 +91,8 @@ STAGES = {0: ["entry", "rows+fill", "claim", "scan", "stores", "end"],
               "det barrier 1"],
           4: ["entry", "rows", "fill", "claim+barrier", "remote reads", "scan", "stores", "end"],
           5: ["entry", "warps", "range", "digits", "bitmap", "end", "loads", "counted"],
-          6: ["ranked", "prefix"]}
+          6: ["ranked", "prefix"]}  # the cluster kernel's claims done (free order: before
+                                    # its barrier), and (deterministic) its prefix over warps
 KERNEL = {0: "single", 1: "count", 2: "place", 3: "coop", 4: "cluster", 5: "order",
           6: "cl det"}
 SLOTS = len(KERNEL)  # kernels/align_common.cuh: mla_probe's kernel slots
