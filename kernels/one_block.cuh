@@ -324,21 +324,13 @@ __device__ __forceinline__ void align_warp(const Problem& p, int stamp_as) {
   const RowBits processed = BASE ? RowBits{1u} : processed_row_bits(p);
   // The fill of every written row and of its tiles (fire-and-forget; overwritten after the
   // barrier by the routes and the tiles' owners).
-  const int4 sentinel = make_int4(p.numel, p.numel, p.numel, p.numel);
   const bool vec = (BASE || (p.sorted_pitch & 3) == 0) &&
                    ((reinterpret_cast<unsigned long long>(p.sorted_ids) & 15) == 0);
-  const int units = vec ? (p.padded_len >> 2) : 0;
 #pragma unroll 1
   for (int r = 0; r < rows; ++r) {
     if (!processed[r] && !p.fill_unprocessed) continue;
-    int* row = p.sorted_ids + (long long)r * p.sorted_pitch;
-#pragma unroll 1
-    for (int k = tid; k < units; k += blockDim.x) reinterpret_cast<int4*>(row)[k] = sentinel;
-#pragma unroll 1
-    for (int k = 4 * units + tid; k < p.padded_len; k += blockDim.x) row[k] = p.numel;
-    int* tiles = p.expert_ids + (long long)r * p.expert_pitch;
-#pragma unroll 1
-    for (int k = tid; k < p.num_tiles; k += blockDim.x) tiles[k] = -1;
+    fill_row_part(p, r, RowPart{0, p.padded_len}, vec, tid, blockDim.x);
+    fill_tiles_part(p, r, RowPart{0, p.num_tiles}, tid, blockDim.x);
   }
   MLA_STAMP(stamp_as, 1);
 
@@ -403,9 +395,10 @@ __device__ __forceinline__ void align_warp(const Problem& p, int stamp_as) {
 // (compare_lanes), which gives the lanes holding the same bucket (the count and the rank, in
 // flat order) and those holding a smaller one. The first route of each bucket publishes its
 // tile count bit by bit, and a segment starts after the tiles of the smaller buckets: the
-// popcounts of the smaller lanes' tile bits. Two barriers, against align_tiny's four and its scan over every bucket. Ranks follow the flat index, so
-// the result is the deterministic one as well. Meanwhile the block issues the sentinel fill of
-// the written rows, which the barriers order before the stores that overwrite it.
+// popcounts of the smaller lanes' tile bits. Two barriers, against align_tiny's four and its
+// scan over every bucket. Ranks follow the flat index, so the result is the deterministic one
+// as well. Meanwhile the block issues the sentinel fill of the written rows, which the
+// barriers order before the stores that overwrite it.
 // Dynamic shared memory: BALLOT_WORDS unsigned a warp holding routes (the row region is not
 // used: rows come from processed_row_bits).
 #define BALLOT_WARPS 16
