@@ -296,13 +296,13 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p, int slice, 
 }
 
 // ---------------------------------------------------------------------------------------------
-// At most WARP_ROUTES routes and 32 rows (decode): warp 0 holds a route a lane and works out
-// every position with ballots and shuffles (no shared memory, no atomics, no scan over the
-// buckets), while the block issues the sentinel fill of the written rows (each warp reads the
-// processed rows itself, so the fill waits for no barrier). One barrier orders the fill
-// before the stores that overwrite it. align_tiny's chain has four barriers, the shared
-// atomics and a scan over every bucket. Ranks follow the lane order, which is the flat
-// index, so the result is the deterministic one as well.
+// At most p.warp_max_routes (WARP_ROUTES at most) routes and 32 rows (decode): warp 0 holds
+// a route a lane and works out every position with ballots and shuffles (no shared memory,
+// no atomics, no scan over the buckets), while the block issues the sentinel fill of the
+// written rows (each warp reads the processed rows itself, so the fill waits for no
+// barrier). One barrier orders the fill before the stores that overwrite it. align_tiny's
+// chain has four barriers, the shared atomics and a scan over every bucket. Ranks follow the
+// lane order, which is the flat index, so the result is the deterministic one as well.
 #define WARP_ROUTES 32
 
 // A base alignment: one row, always processed. (A LoRA call without tokens has no token
@@ -387,9 +387,9 @@ __device__ __forceinline__ void align_warp(const Problem& p, int stamp_as) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// More than WARP_ROUTES and up to p.ballot_max_routes routes (at most BALLOT_WARPS warps of
-// 32) and 32 rows (decode): ranks and segment starts from ballots alone, no atomics and no
-// scan over the buckets.
+// Up to p.ballot_max_routes routes (at most BALLOT_WARPS warps of 32) and 32 rows (decode),
+// above the one-warp path's p.warp_max_routes: ranks and segment starts from ballots alone,
+// no atomics and no scan over the buckets.
 // Route i sits in lane i % 32 of warp i / 32. Each warp publishes the ballots of its buckets'
 // bits; a lane then compares its bucket against every warp's lanes, bit by bit from the top
 // (compare_lanes), which gives the lanes holding the same bucket (the count and the rank, in
@@ -451,8 +451,7 @@ __device__ __forceinline__ void align_ballot(const Problem& p, int slice, int sl
                                              int stamp_as) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, E = p.num_experts;
   const int rows = BASE ? 1 : p.rows;
-  const int warps = (p.numel + 31) >> 5;  // warps holding routes (two or more: align_warp
-                                          // takes the calls one warp holds)
+  const int warps = max(1, (p.numel + 31) >> 5);  // warps holding routes; warp 0 always
   unsigned* words = reinterpret_cast<unsigned*>(dynamic_smem);
   unsigned* mine = words + warp * BALLOT_WORDS;
   MLA_STAMP(stamp_as, 0);
@@ -545,17 +544,19 @@ __device__ __forceinline__ void align_ballot(const Problem& p, int slice, int sl
 }
 
 // The dispatcher keeps nb <= TINY_BUCKETS * blockDim, and gives the launch more than one
-// block (slices, see RowPart) only where its output is large and it has more than
-// WARP_ROUTES routes.
+// block (slices, see RowPart) only where its output is large and the one-warp path does not
+// take it.
 template <typename IdT, bool DET>
 __device__ __forceinline__ void align_tiny_block(const Problem& p, int slice, int slices,
                                                  int stamp_as = 0) {
-  const bool warp_path = p.numel <= WARP_ROUTES && p.rows <= 32;
+  // A limit of 0 turns its path off (for no routes too).
+  const bool warp_path = p.warp_max_routes > 0 && p.numel <= p.warp_max_routes && p.rows <= 32;
   if (warp_path) {
     if (slice > 0) return;  // (the dispatcher gives the one-warp path one block)
     if (base_problem(p)) align_warp<IdT, true>(p, stamp_as);
     else align_warp<IdT, false>(p, stamp_as);
-  } else if (p.numel <= p.ballot_max_routes && p.numel <= (int)blockDim.x && p.rows <= 32 &&
+  } else if (p.ballot_max_routes > 0 && p.numel <= p.ballot_max_routes &&
+             p.numel <= (int)blockDim.x && p.rows <= 32 &&
              bucket_bits(num_buckets(p)) <= BALLOT_BUCKET_BITS) {
     if (base_problem(p)) align_ballot<IdT, true>(p, slice, slices, stamp_as);
     else align_ballot<IdT, false>(p, slice, slices, stamp_as);

@@ -6,7 +6,8 @@
 Every case is timed with graph replay (moe_lora_align.bench.graph_us) under each of RUNS'
 dispatcher settings: align_tiny as dispatched ("tiny"), align_tiny with four buckets a
 thread wherever its block has fewer threads than buckets ("tiny4"), align_tiny without its
-ballot path ("counting"), align_tiny over a block per 2048 or 32768 output entries or one
+ballot path ("counting"), without its one-warp path ("no warp": the ballot path takes those
+calls), without either ("counting only"), align_tiny over a block per 2048 or 32768 output entries or one
 block ("spread2k", "spread32k", "one block"; the default is 8192), align_single
 ("single"), and the dispatcher's default but with one block up to any fill size ("no
 coop": the cooperative launch otherwise takes the largest LoRA fills), and
@@ -101,8 +102,11 @@ RUNS = [  # name, AlignPolicy fields, kernel sources (None: the package's), one 
           # thread only, deterministic
     ("tiny", {}, None, False, False), ("tiny4", {"tiny_one_bucket_max": 0}, None, False, False),
     # Without the ballot path (the one-warp path stays): its crossover with the counting
-    # path is where "tiny" and "counting" meet over the cases' route counts.
+    # path is where "tiny" and "counting" meet over the cases' route counts. Without the
+    # one-warp path (the ballot path takes its calls), and without either.
     ("counting", {"ballot_max_routes": 0}, None, False, False),
+    ("no warp", {"warp_max_routes": 0}, None, False, False),
+    ("counting only", {"warp_max_routes": 0, "ballot_max_routes": 0}, None, False, False),
     # align_tiny's blocks (the default: a block per 8192 output entries).
     ("spread2k", {"tiny_entries_per_block": 2048}, None, False, False),
     ("spread32k", {"tiny_entries_per_block": 32768}, None, False, False),

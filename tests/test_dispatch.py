@@ -574,6 +574,22 @@ def test_tiny_spreads_its_fill(numel, buckets, rows, spread):
     assert pair is None or pair.grid == 2
 
 
+@pytest.mark.parametrize("warp,numel,need,spread", [
+    (32, 32, 0, False), (32, 33, 256, True), (0, 0, 128, True), (0, 32, 128, True),
+    (16, 16, 0, False), (16, 17, 128, True), (100, 32, 0, False)])
+def test_one_warp_limit_moves_the_ballot_path(warp, numel, need, spread):
+    """warp_max_routes (at most WARP_ROUTES; 0 turns the one-warp path off) hands the calls
+    above it to the ballot path, which then needs its shared words (one warp's at least) and
+    spreads over blocks like any align_tiny launch off the one-warp path."""
+    policy = d.AlignPolicy(warp_max_routes=warp)
+    launch = d.choose_launch(numel, 16 * 256, 16, H200, out_entries=66000, policy=policy)
+    assert launch.tiny and launch.warp_routes == min(warp, d.WARP_ROUTES)
+    assert d.ballot_bytes(numel, launch.ballot_routes, launch.warp_routes) == need
+    assert launch.smem_single >= need and (launch.grid > 1) == spread
+    (_, _, _, given, needs), = d.kernel_demands(launch, numel, [(16 * 256, 16)])
+    assert given >= needs >= need
+
+
 def test_ballot_limit_is_what_the_kernel_holds():
     assert d.ballot_routes(d.AlignPolicy(ballot_max_routes=1 << 20)) == 32 * d.BALLOT_WARPS
     assert d.ballot_routes(d.AlignPolicy(ballot_max_routes=-5)) == 0

@@ -255,21 +255,25 @@ def test_lora_warp_and_ballot_paths(E, T, K, rows, det):
                use_map=mix % 4 == 1)
 
 
-@pytest.mark.parametrize("limit", [0, 31, 100])
+@pytest.mark.parametrize("warp,limit", [(32, 0), (32, 31), (32, 100), (0, 512), (0, 0),
+                                        (16, 100), (1, 33)])
 @pytest.mark.parametrize("E,T,K,rows", [(64, 4, 8, 1), (64, 13, 8, 1), (257, 5, 7, 1),
-                                        (64, 4, 8, 4), (128, 13, 8, 16)])
-def test_ballot_limit_follows_the_policy(E, T, K, rows, limit):
-    """The policy's ballot_max_routes decides, in the kernel, which calls take the ballot
-    path: both sides of a lowered limit, and 0 (align_tiny's counting path everywhere)."""
-    policy = mla.AlignPolicy(ballot_max_routes=limit)
+                                        (64, 2, 8, 1), (64, 4, 8, 4), (128, 13, 8, 16),
+                                        (64, 0, 8, 4), (7, 1, 1, 1)])
+def test_warp_and_ballot_limits_follow_the_policy(E, T, K, rows, warp, limit):
+    """The policy's warp_max_routes and ballot_max_routes decide, in the kernel, which calls
+    take the one-warp path, which the ballot path (one warp of routes too, once the one-warp
+    path is off) and which align_tiny's counting path: both sides of lowered limits, and 0
+    for either (no routes at all included)."""
+    policy = mla.AlignPolicy(warp_max_routes=warp, ballot_max_routes=limit)
     launch = mla._dispatch.choose_launch(T * K, rows * E, rows, mla._launch.device_limits(0),
                                          policy=policy)
-    assert launch.tiny and launch.ballot_routes == limit
+    assert launch.tiny and launch.ballot_routes == limit and launch.warp_routes == warp
     for det in (False, True):
         if rows == 1:
-            _base_case(E, T, None, det, salt=90 + limit, topk=K, policy=policy)
+            _base_case(E, T, None, det, salt=90 + limit + warp, topk=K, policy=policy)
         else:
-            _lora_case(E, T, None, det, salt=91 + limit, max_loras=rows, topk=K,
+            _lora_case(E, T, None, det, salt=91 + limit + warp, max_loras=rows, topk=K,
                        policy=policy)
 
 
