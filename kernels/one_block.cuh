@@ -584,8 +584,11 @@ __global__ void __launch_bounds__(1024, 1) align_tiny(const Problem p) {
 #endif
 }
 
-// Base and LoRA alignment in one launch of two tiny blocks (block 0: `first`).
+// Base and LoRA alignment in one launch: block 0 aligns `first` (base), the others `second`
+// (LoRA), its writes spread over them as an align_tiny launch of its own would spread them.
 template <typename IdT, bool DET>
 __global__ void __launch_bounds__(1024, 1) align_tiny_pair(const Problem first, const Problem second) {
-  align_tiny_block<IdT, DET>(blockIdx.x == 0 ? first : second, 0, 1);
+  const bool base = blockIdx.x == 0;
+  align_tiny_block<IdT, DET>(base ? first : second, base ? 0 : blockIdx.x - 1,
+                             base ? 1 : gridDim.x - 1);
 }

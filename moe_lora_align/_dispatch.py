@@ -694,8 +694,9 @@ def choose_pair(numel: int, base_buckets: int, lora_buckets: int, rows: int,
             smem = max(smem_one_block(nb, r, tiny_warp_counter_bytes(numel, block, nb))
                        for nb, r in ((base_buckets, 1), (lora_buckets, rows)))
         smem = max(smem, ballot_bytes(numel, base.ballot_routes, base.warp_routes))
-        if smem <= limits.dynamic_smem:
-            return Launch("shared", "single", deterministic, block, grid=2, smem_single=smem,
+        if smem <= limits.dynamic_smem:  # a block for base, the LoRA side's as its own launch
+            return Launch("shared", "single", deterministic, block, grid=1 + lora.grid,
+                          smem_single=smem,
                           tiny=True, ballot_routes=base.ballot_routes,
                           warp_routes=base.warp_routes)
     if base.tiny or lora.tiny:  # two align_single blocks, each side sized for that kernel

@@ -305,6 +305,53 @@ def test_tiny_spread_over_blocks(E, T, K, rows, per_block, path):
 
 
 @pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
+@pytest.mark.parametrize("E,T,K,L,per_block", [(256, 16, 8, 16, 8192), (64, 5, 7, 4, 100),
+                                               (64, 100, 8, 4, 1), (64, 2, 8, 4, 1),
+                                               (128, 64, 8, 32, 4096)])
+def test_tiny_pair_spreads_its_lora_side(E, T, K, L, per_block, det):
+    """The fused tiny pair: block 0 aligns base, the other blocks the LoRA side, each its
+    part of every row (one more block where the one-warp path takes the call), on poisoned,
+    guarded outputs against the NumPy backend."""
+    policy = mla.AlignPolicy(tiny_entries_per_block=per_block)
+    B = 16
+    rng = np.random.default_rng(E + T + K + L + per_block)
+    ids = make_routing(rng, T, K, E, np.int32, "skewed" if det else "uniform")
+    mapping, lora_ids, enabled = make_lora(rng, T, L, disabled=1)
+    P, M = mla.buffer_sizes(T * K, E, B)
+    kw = dict(lora_ids=lora_ids, adapter_enabled=enabled)
+    shapes = ([P], [M], [1]), ([L, P], [L, M], [L])
+    host = [[guarded(s, np) for s in side] for side in shapes]
+    dev = [[guarded(s, cupy) for s in side] for side in shapes]
+    mla.align_moe_and_lora(ids, mapping, B, E, L, out_base=[v for _, v in host[0]],
+                           out_lora=[v for _, v in host[1]], **kw)
+    mla.align_moe_and_lora(cupy.asarray(ids), cupy.asarray(mapping), B, E, L,
+                           streams="fused", deterministic=det, policy=policy,
+                           out_base=[v for _, v in dev[0]], out_lora=[v for _, v in dev[1]],
+                           **{k: cupy.asarray(v) for k, v in kw.items()})
+    cupy.cuda.get_current_stream().synchronize()
+    launch = mla._dispatch.choose_pair(T * K, E, L * E, L, mla._launch.device_limits(0),
+                                       deterministic=det, out_entries=L * (P + M),
+                                       policy=policy)
+    assert launch.tiny and launch.grid == 1 + mla._dispatch.tiny_blocks(
+        T * K, L, L * (P + M), mla._launch.device_limits(0), policy)
+    for side, rows, extra in ((0, 1, {}), (1, L, dict(mapping=mapping, lora_ids=lora_ids,
+                                                       enabled=enabled, map_before=True))):
+        for guard, _ in dev[side]:
+            g = guard.get()
+            assert (g[:GUARD] == POISON).all() and (g[-GUARD:] == POISON).all()
+        got = [v.get() for _, v in dev[side]]
+        want = [v for _, v in host[side]]
+        starts = segment_starts(ids, E, B, rows=rows, **extra)
+        if det:
+            np.testing.assert_array_equal(got[0], want[0])
+        else:
+            np.testing.assert_array_equal(canonical(got[0].reshape(rows, -1), starts),
+                                          canonical(want[0].reshape(rows, -1), starts))
+        np.testing.assert_array_equal(got[1], want[1])
+        np.testing.assert_array_equal(got[2], want[2])
+
+
+@pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
 @pytest.mark.parametrize("rows,with_ids,disabled", [(1, False, 0), (1, True, 0), (1, False, 1),
                                                     (1, True, 1), (4, True, 1)])
 def test_lora_without_tokens_keeps_its_rows(rows, with_ids, disabled, det):
