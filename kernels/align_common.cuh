@@ -54,8 +54,6 @@ struct Problem {
   int tiles_shift;
   int count_stride;             // cooperative kernel: entries between its two count buffers
   int coop_blocks;              // cooperative kernels: blocks aligning this problem
-  int ballot_max_routes;        // align_tiny ranks up to this many routes with ballots,
-  int warp_max_routes;          //   and places up to this many on one warp
   int reserved_;                // keeps the size a multiple of 8 bytes
 };
 
