@@ -5,10 +5,7 @@
 
 Every case is timed with graph replay (moe_lora_align.bench.graph_us) under each of RUNS'
 dispatcher settings: align_tiny as dispatched ("tiny"), align_tiny with four buckets a
-thread wherever its block has fewer threads than buckets ("tiny4"), align_tiny without its
-ballot path ("counting"), without its one-warp path ("no warp": the ballot path takes those
-calls), without either ("counting only"), align_tiny over a block per 2048 or 32768 output entries or one
-block ("spread2k", "spread32k", "one block"; the default is 8192), align_single
+thread wherever its block has fewer threads than buckets ("tiny4"), align_single
 ("single"), and the dispatcher's default but with one block up to any fill size ("no
 coop": the cooperative launch otherwise takes the largest LoRA fills), and
 ``deterministic=True`` through align_tiny ("det") and through align_single ("det single").
@@ -39,15 +36,14 @@ CASES = [  # op, T, E, K, B, L
     ("base", 1, 8, 2, 16, None), ("base", 1, 64, 8, 16, None), ("base", 1, 512, 10, 16, None),
     ("base", 4, 64, 8, 16, None), ("base", 4, 256, 8, 16, None), ("base", 3, 512, 10, 16, None),
     ("base", 16, 64, 8, 16, None), ("base", 16, 256, 8, 16, None),
-    ("base", 32, 256, 8, 16, None), ("base", 64, 64, 8, 16, None),
-    ("base", 64, 256, 8, 16, None), ("base", 64, 512, 8, 16, None), ("base", 256, 8, 2, 16, None),
+    ("base", 64, 256, 8, 16, None), ("base", 256, 8, 2, 16, None),
     ("base", 256, 64, 8, 16, None), ("base", 256, 256, 8, 16, None),
     ("base", 256, 512, 10, 16, None),
     ("lora", 1, 64, 6, 16, 4), ("lora", 1, 64, 8, 16, 4), ("lora", 4, 64, 8, 16, 4), ("lora", 2, 128, 8, 16, 16),
     ("lora", 16, 64, 6, 16, 16), ("lora", 16, 128, 4, 16, 4),
     ("lora", 256, 64, 6, 16, 16), ("lora", 256, 256, 8, 16, 4),
     ("lora", 1, 256, 8, 16, 16), ("lora", 16, 256, 8, 16, 16), ("lora", 64, 256, 8, 16, 16),
-    ("lora", 256, 256, 8, 16, 16), ("lora", 512, 256, 8, 16, 16), ("pair", 16, 256, 8, 16, 16),
+    ("lora", 256, 256, 8, 16, 16), ("pair", 16, 256, 8, 16, 16),
     ("pair", 1, 64, 8, 16, 4), ("pair", 64, 128, 8, 16, 4), ("pair", 256, 64, 8, 16, 16),
 ]
 
@@ -96,21 +92,10 @@ def make_call(case, stream, det=False, policy=None):
     return fn
 
 
-# Earlier kernel sources: a thread per bucket, one block (they have no slices).
-ONE = {"tiny_one_bucket_max": 1024, "tiny_entries_per_block": 1 << 30}
+ONE = {"tiny_one_bucket_max": 1024}
 RUNS = [  # name, AlignPolicy fields, kernel sources (None: the package's), one bucket a
           # thread only, deterministic
     ("tiny", {}, None, False, False), ("tiny4", {"tiny_one_bucket_max": 0}, None, False, False),
-    # Without the ballot path (the one-warp path stays): its crossover with the counting
-    # path is where "tiny" and "counting" meet over the cases' route counts. Without the
-    # one-warp path (the ballot path takes its calls), and without either.
-    ("counting", {"ballot_max_routes": 0}, None, False, False),
-    ("no warp", {"warp_max_routes": 0}, None, False, False),
-    ("counting only", {"warp_max_routes": 0, "ballot_max_routes": 0}, None, False, False),
-    # align_tiny's blocks (the default: a block per 8192 output entries).
-    ("spread2k", {"tiny_entries_per_block": 2048}, None, False, False),
-    ("spread32k", {"tiny_entries_per_block": 32768}, None, False, False),
-    ("one block", {"tiny_entries_per_block": 1 << 30}, None, False, False),
     ("single", {"use_tiny": False}, None, False, False),
     ("no coop", {"coop_over_single_entries": 1 << 30}, None, False, False),
     ("det", {}, None, False, True), ("det single", {"use_tiny": False}, None, False, True)]
