@@ -114,7 +114,12 @@ __global__ void align_pair(const Problem first, const Problem second) {
 // Slices: the blocks of one align_tiny launch where its output is large (LoRA decode with
 // many slots: rows of sentinels). Every block ranks all the routes (a few hundred at most) and
 // writes only its part of each row (the sentinel fill, and the routes and tile ids that land
-// there), so the fill spreads over SMs and no block waits for another.
+// there), so the fill spreads over SMs and no block waits for another. That needs every block
+// to rank every route alike (flat order: DET, or the ballot path). In free order (shared
+// atomics, whose order differs between blocks) the counting path writes each position from
+// one block instead: a segment's routes from the block whose part holds the segment's start,
+// its pads and the row's tail from the block whose part holds them; the fill then waits for
+// the scan, and nothing is written twice.
 // The part of a row of `len` entries that slice `slice` of `slices` writes: [lo, hi), whole
 // groups of `group` entries (4: int4 stores), the last slice taking the rest.
 struct RowPart {
@@ -150,6 +155,22 @@ __device__ __forceinline__ void fill_tiles_part(const Problem& p, int r, RowPart
 
 // Bucket b's tiles [tile0, tile0 + tiles) of row r that fall in `part` get its expert id
 // (mapped when map_mode == 2).
+// Sentinels into [lo, hi) of row r (lo anywhere; int4 stores between 16-byte boundaries where
+// `vec`), threads from `from` by `step`.
+__device__ __forceinline__ void fill_row_span(const Problem& p, int r, int lo, int hi, bool vec,
+                                              int from, int step) {
+  int* row = p.sorted_ids + (long long)r * p.sorted_pitch;
+  const int lo4 = vec ? min(hi, (lo + 3) & ~3) : hi, hi4 = vec ? max(lo4, hi & ~3) : hi;
+#pragma unroll 1
+  for (int k = lo + from; k < lo4; k += step) row[k] = p.numel;
+  const int4 sentinel = make_int4(p.numel, p.numel, p.numel, p.numel);
+#pragma unroll 1
+  for (int k = (lo4 >> 2) + from; k < (hi4 >> 2); k += step)
+    reinterpret_cast<int4*>(row)[k] = sentinel;
+#pragma unroll 1
+  for (int k = hi4 + from; k < hi; k += step) row[k] = p.numel;
+}
+
 __device__ __forceinline__ void write_tiles_part(const Problem& p, int r, int b, int tile0,
                                                  int tiles, RowPart part) {
   const int t0 = max(tile0, part.lo), t1 = min(tile0 + tiles, part.hi);
@@ -204,20 +225,23 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p, int slice, 
   const RowPart part = row_part(p.padded_len, vec ? 4 : 1, slice, slices);
   const RowPart tile_part = row_part(p.num_tiles, 1, slice, slices);
   const int part_len = part.hi - part.lo;
+  const bool late = !DET && slices > 1;  // free-order spread: the fill waits for the scan
   const auto fill_row = [&](int r, int from, int step) {
     if (row_written(p, processed, r)) fill_row_part(p, r, part, vec, from, step);
   };
-  if (p.rows > 1 && 2 * (vec ? part_len >> 2 : part_len) <= (int)blockDim.x) {
-    // Short rows: a group of nwarps / rows warps fills each (one warp a row when rows >=
-    // nwarps); all rows in every thread would leave most threads idle on every row.
-    const int group = p.rows >= nwarps ? 1 : nwarps / p.rows;
-    const int row0 = warp / group;  // a last, incomplete group gets row0 >= rows: it idles
+  if (!late) {  // (a free-order spread fills after the scan)
+    if (p.rows > 1 && 2 * (vec ? part_len >> 2 : part_len) <= (int)blockDim.x) {
+      // Short rows: a group of nwarps / rows warps fills each (one warp a row when rows >=
+      // nwarps); all rows in every thread would leave most threads idle on every row.
+      const int group = p.rows >= nwarps ? 1 : nwarps / p.rows;
+      const int row0 = warp / group;  // a last, incomplete group gets row0 >= rows: it idles
 #pragma unroll 1
-    for (int r = row0; r < p.rows; r += nwarps / group)
-      fill_row(r, tid - row0 * group * 32, 32 * group);
-  } else {
+      for (int r = row0; r < p.rows; r += nwarps / group)
+        fill_row(r, tid - row0 * group * 32, 32 * group);
+    } else {
 #pragma unroll 1
-    for (int r = 0; r < p.rows; ++r) fill_row(r, tid, blockDim.x);
+      for (int r = 0; r < p.rows; ++r) fill_row(r, tid, blockDim.x);
+    }
   }
   if (slices == 1) {
     fill_tile_ids(p, processed, tid, blockDim.x);
@@ -244,13 +268,13 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p, int slice, 
 
   // Padded exclusive scan, this thread's buckets in this thread: warp scan of the threads'
   // sums, then every warp scans the warp totals itself (no serial phase of warp 0).
-  int padded[PER], sum = 0;
+  int padded[PER], count[PER], sum = 0;
 #pragma unroll
   for (int q = 0; q < PER; ++q) {
     const int b = first + q;
-    const int count = b >= nb ? 0
-                      : DET ? prefix_over_warps(warp_counts + b, stride, route_warps) : starts[b];
-    padded[q] = b < nb ? padded_count(p, count) : 0;
+    count[q] = b >= nb ? 0
+               : DET ? prefix_over_warps(warp_counts + b, stride, route_warps) : starts[b];
+    padded[q] = b < nb ? padded_count(p, count[q]) : 0;
     sum += padded[q];
   }
   const int x = warp_inclusive_sum(sum);
@@ -274,9 +298,28 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p, int slice, 
   for (int j = 0; j < TINY_ITEMS; ++j) {
     if (bucket[j] < 0) continue;
     const int b = bucket[j], row = row_of(p, b);
-    const int at = starts[b] - starts[row * p.num_experts] +
-                   (DET ? rank[j] + warp_counts[warp * stride + b] : rank[j]);
-    if (part.holds(at)) p.sorted_ids[(long long)row * p.sorted_pitch + at] = route_index(j);
+    const int segment = starts[b] - starts[row * p.num_experts];
+    const int at = segment + (DET ? rank[j] + warp_counts[warp * stride + b] : rank[j]);
+    if (part.holds(late ? segment : at))
+      p.sorted_ids[(long long)row * p.sorted_pitch + at] = route_index(j);
+  }
+  if (late) {  // the pads of this thread's buckets and the rows' tails, where in this part
+#pragma unroll
+    for (int q = 0; q < PER; ++q) {
+      if (padded[q] == count[q]) continue;
+      const int row = row_of(p, first + q);
+      const int pads = start[q] - starts[row * p.num_experts] + count[q];  // the first pad
+      int* out = p.sorted_ids + (long long)row * p.sorted_pitch;
+#pragma unroll 1
+      for (int k = max(pads, part.lo); k < min(pads + padded[q] - count[q], part.hi); ++k)
+        out[k] = p.numel;
+    }
+#pragma unroll 1
+    for (int r = 0; r < p.rows; ++r) {
+      if (!row_written(p, processed, r)) continue;
+      const int row_total = starts[(r + 1) * p.num_experts] - starts[r * p.num_experts];
+      fill_row_span(p, r, max(part.lo, row_total), part.hi, vec, tid, blockDim.x);
+    }
   }
   // Tiles of this thread's buckets (only processed rows have counts).
 #pragma unroll

@@ -57,6 +57,10 @@ class AlignPolicy:
     # (LoRA decode with many slots) spread over more blocks, each of which ranks every route
     # and writes its part of each row.
     tiny_entries_per_block: int = 8192
+    # A spread launch on the counting path ranks in flat order (the deterministic instance,
+    # which issues the fill first); False: in free order, each output position written by
+    # one block and the fill after the scan (kernels/one_block.cuh: align_tiny_buckets).
+    tiny_spread_flat_order: bool = True
     single_block_sizes: Tuple[int, ...] = (128, 256, 512, 1024)  # align_single's choices
     one_route_per_thread: int = 512      # up to this many routes, a thread claims one
     entries_per_thread: int = 64         # output entries a thread of one block writes, at most
@@ -350,11 +354,11 @@ def _single_block(numel, num_buckets, rows, deterministic, limits, out_entries=0
     if tiny is not None:
         ballot, warp = ballot_routes(policy), warp_routes(policy)
         grid = tiny_blocks(numel, rows, out_entries, limits, policy)
-        # Blocks of a spread launch must rank every route alike: the counting path's shared
-        # atomics rank in whatever order the warps run, so it spreads in flat order only
-        # (its deterministic instance; the ballot path ranks in flat order anyway).
+        # A spread on the counting path ranks in flat order where the policy says so (its
+        # deterministic instance; the ballot path ranks in flat order anyway).
         ordered = deterministic or (
-            grid > 1 and not on_ballot_path(numel, num_buckets, rows, tiny, ballot, warp))
+            grid > 1 and policy.tiny_spread_flat_order
+            and not on_ballot_path(numel, num_buckets, rows, tiny, ballot, warp))
         smem = max(base + (tiny_warp_counter_bytes(numel, tiny, num_buckets)
                            if ordered else 0), ballot_bytes(numel, ballot, warp))
         if smem <= limits.dynamic_smem:
@@ -711,9 +715,11 @@ def choose_pair(numel: int, base_buckets: int, lora_buckets: int, rows: int,
         block = max(base.block, lora.block)
         smem = max(base.smem_single, lora.smem_single)
         # Flat-order ranks where asked for, or where the LoRA side spreads on the counting
-        # path at the pair's block (a larger block may put it on the ballot path).
-        ordered = deterministic or (lora.grid > 1 and not on_ballot_path(
-            numel, lora_buckets, rows, block, lora.ballot_routes, lora.warp_routes))
+        # path at the pair's block (a larger block may put it on the ballot path) and the
+        # policy spreads in flat order.
+        ordered = deterministic or (
+            lora.grid > 1 and policy.tiny_spread_flat_order and not on_ballot_path(
+                numel, lora_buckets, rows, block, lora.ballot_routes, lora.warp_routes))
         if ordered:  # the counters follow the block: both sides at the larger one
             smem = max(smem_one_block(nb, r, tiny_warp_counter_bytes(numel, block, nb))
                        for nb, r in ((base_buckets, 1), (lora_buckets, rows)))

@@ -7,12 +7,14 @@ Every case is timed with graph replay (moe_lora_align.bench.graph_us) under each
 dispatcher settings: align_tiny as dispatched ("tiny"), align_tiny with four buckets a
 thread wherever its block has fewer threads than buckets ("tiny4"), align_tiny without its
 ballot path ("counting"), without its one-warp path ("no warp": the ballot path takes those
-calls), without either ("counting only"), align_tiny over a block per 2048 or 32768 output entries or one
-block ("spread2k", "spread32k", "one block"; the default is 8192), align_single
-("single"), the dispatcher's default but with one block up to any fill size ("no
+calls), without either ("counting only"), align_tiny over a block per 2048 or 32768
+output entries or one block ("spread2k", "spread32k", "one block"; the default is 8192),
+"counting" with its spread in free order ("counting free"; flat order is the default),
+align_single ("single"), the dispatcher's default but with one block up to any fill size ("no
 coop": the cooperative launch otherwise takes the largest LoRA fills), the mid band's
-cases without the cluster ("no cluster", "no cluster spread1k", "no cluster spread256";
-timed only where the default takes the cluster), and
+cases without the cluster ("no cluster", "no cluster spread1k", "no cluster spread256",
+and the last two in free order: "... free"; timed only where the default takes the
+cluster), and
 ``deterministic=True`` through align_tiny ("det") and through align_single ("det single").
 With ``--baseline``
 also align_tiny compiled from the kernel sources in DIR (an earlier commit's ``kernels/``,
@@ -115,14 +117,22 @@ RUNS = [  # name, AlignPolicy fields, kernel sources (None: the package's), one 
     ("spread2k", {"tiny_entries_per_block": 2048}, None, False, False),
     ("spread32k", {"tiny_entries_per_block": 32768}, None, False, False),
     ("one block", {"tiny_entries_per_block": 1 << 30}, None, False, False),
+    # "counting" with its spread in free order (each entry from one block, the fill after
+    # the scan) instead of flat order.
+    ("counting free", {"ballot_max_routes": 0, "tiny_spread_flat_order": False}, None, False,
+     False),
     ("single", {"use_tiny": False}, None, False, False),
     ("no coop", {"coop_over_single_entries": 1 << 30}, None, False, False),
     # The mid band without its cluster: align_tiny as dispatched (one block at 2K to 4K
-    # routes), and spread over a block per 1024 or 256 output entries (spread, it ranks in
-    # flat order). Timed only where the default takes the cluster.
+    # routes), and spread over a block per 1024 or 256 output entries, in flat order or in
+    # free order. Timed only where the default takes the cluster.
     ("no cluster", NO_CLUSTER, None, False, False),
     ("no cluster spread1k", dict(NO_CLUSTER, tiny_entries_per_block=1024), None, False, False),
     ("no cluster spread256", dict(NO_CLUSTER, tiny_entries_per_block=256), None, False, False),
+    ("no cluster spread1k free", dict(NO_CLUSTER, tiny_entries_per_block=1024,
+                                      tiny_spread_flat_order=False), None, False, False),
+    ("no cluster spread256 free", dict(NO_CLUSTER, tiny_entries_per_block=256,
+                                       tiny_spread_flat_order=False), None, False, False),
     ("det", {}, None, False, True), ("det single", {"use_tiny": False}, None, False, True)]
 
 

@@ -1,8 +1,9 @@
-"""A host model of align_tiny's ballot path (kernels/one_block.cuh: align_ballot) against the
-NumPy backend: the arithmetic the kernel does with warp ballots (bucket bits compared from the
-top, tile counts summed as popcounts of their bits) and the parts of each row that the blocks
-of a spread launch write. It runs without a GPU, so a slip in the arithmetic shows in CI;
-the kernel itself is checked by tests/test_gpu_kernels.py."""
+"""Host models of align_tiny (kernels/one_block.cuh) against the NumPy backend: the ballot
+path's arithmetic (align_ballot: bucket bits compared from the top, tile counts summed as
+popcounts of their bits) and the parts of each row that the blocks of a spread launch
+write, and which block writes each entry when the counting path spreads in free order
+(align_tiny_buckets). They run without a GPU, so a slip in the arithmetic shows in CI; the
+kernels themselves are checked by tests/test_gpu_kernels.py."""
 
 import numpy as np
 import pytest
@@ -104,40 +105,102 @@ CASES = [  # E, T, K, B, rows (None: base), slices
     (3, 70, 1, 2, 32, 2), (64, 2, 6, 5, 4, 130)]
 
 
-@pytest.mark.parametrize("kind", ["uniform", "skewed"])
-@pytest.mark.parametrize("E,T,K,B,rows,slices", CASES)
-def test_ballot_arithmetic_matches_the_numpy_backend(E, T, K, B, rows, slices, kind):
+def _case(E, T, K, B, rows, kind):
+    """Routes of a random case as align_tiny's buckets (-1: not aligned), the rows, which
+    are processed, and the NumPy backend's (sorted_ids, expert_ids, totals) a row."""
     rng = np.random.default_rng(E * 31 + T * 7 + K + (kind == "skewed"))
     ids = rng.integers(-1, E + 1, size=(T, K)).astype(np.int32)  # a few invalid ids
     if kind == "skewed":
         ids[rng.random((T, K)) < 0.7] = E // 2
-    numel = T * K
-    P, M = mla.buffer_sizes(numel, E, B)
     if rows is None:
         ref = mla.moe_align_block_size(ids, B, E)
         buckets = [int(i) if 0 <= i < E else -1 for i in ids.ravel()]
-        got = ballot_model(buckets, 1, E, B, P, M, [True], [True], numel, slices)
-        refs = [[np.asarray(ref[0])], [np.asarray(ref[1])], [int(np.asarray(ref[2])[0])]]
-    else:
-        mapping = rng.integers(-1, rows, size=T).astype(np.int32)
-        listed = [r for r in range(rows) if r % 3 != 1]
-        lora_ids = np.array(listed + [-1] * (rows + 1 - len(listed)), dtype=np.int32)
-        enabled = np.ones(rows + 1, dtype=np.int32)
-        enabled[rows - 1] = 0
-        processed = [r in listed and enabled[r] != 0 for r in range(rows)]
-        ref = mla.moe_lora_align_block_size(ids, mapping, B, E, rows, lora_ids=lora_ids,
-                                            adapter_enabled=enabled)
-        buckets = []
-        for i, e in enumerate(ids.ravel()):
-            slot = int(mapping[i // K])
-            ok = 0 <= e < E and 0 <= slot < rows and processed[slot]
-            buckets.append(slot * E + int(e) if ok else -1)
-        got = ballot_model(buckets, rows, E, B, P, M, processed, processed, numel, slices)
-        refs = [list(np.asarray(ref[0])), list(np.asarray(ref[1])),
-                [int(x) for x in np.asarray(ref[2])]]
+        return buckets, 1, [True], [[np.asarray(ref[0])], [np.asarray(ref[1])],
+                                    [int(np.asarray(ref[2])[0])]]
+    mapping = rng.integers(-1, rows, size=T).astype(np.int32)
+    listed = [r for r in range(rows) if r % 3 != 1]
+    lora_ids = np.array(listed + [-1] * (rows + 1 - len(listed)), dtype=np.int32)
+    enabled = np.ones(rows + 1, dtype=np.int32)
+    enabled[rows - 1] = 0
+    processed = [r in listed and enabled[r] != 0 for r in range(rows)]
+    ref = mla.moe_lora_align_block_size(ids, mapping, B, E, rows, lora_ids=lora_ids,
+                                        adapter_enabled=enabled)
+    buckets = []
+    for i, e in enumerate(ids.ravel()):
+        slot = int(mapping[i // K])
+        ok = 0 <= e < E and 0 <= slot < rows and processed[slot]
+        buckets.append(slot * E + int(e) if ok else -1)
+    return buckets, rows, processed, [list(np.asarray(ref[0])), list(np.asarray(ref[1])),
+                                      [int(x) for x in np.asarray(ref[2])]]
+
+
+@pytest.mark.parametrize("kind", ["uniform", "skewed"])
+@pytest.mark.parametrize("E,T,K,B,rows,slices", CASES)
+def test_ballot_arithmetic_matches_the_numpy_backend(E, T, K, B, rows, slices, kind):
+    numel = T * K
+    P, M = mla.buffer_sizes(numel, E, B)
+    buckets, nrows, processed, refs = _case(E, T, K, B, rows, kind)
+    got = ballot_model(buckets, nrows, E, B, P, M, processed, processed, numel, slices)
     for r, row in enumerate(got[0]):
         if row[0] is not None:
             np.testing.assert_array_equal(np.array(row), refs[0][r], err_msg=f"sorted row {r}")
             np.testing.assert_array_equal(np.array(got[1][r]), refs[1][r],
                                           err_msg=f"tiles row {r}")
             assert got[2][r] == refs[2][r], f"total row {r}"
+
+
+def free_spread_model(buckets, rows, E, B, P, written, slices, group, rng):
+    """The sorted ids that align_tiny's counting path writes when it spreads in free order
+    (kernels/one_block.cuh: align_tiny_buckets, `late`), and how often each entry is
+    written. Each slice ranks the routes of a bucket in an order of its own (shared atomics);
+    a segment's routes come from the slice whose part holds the segment's start, its pads
+    and the row's tail from the slice whose part holds them."""
+    numel, nb = len(buckets), rows * E
+    count = np.bincount([b for b in buckets if b >= 0], minlength=nb)
+    padded = -(-count // B) * B
+    starts = np.concatenate([[0], np.cumsum(padded)])  # the scan over every row's buckets
+    out = np.full((rows, P), -7)
+    writes = np.zeros((rows, P), int)
+
+    def put(r, k, value):
+        out[r, k] = value
+        writes[r, k] += 1
+
+    for s in range(slices):
+        lo, hi = _row_part(P, group, s, slices)
+        rank = {}
+        for b in range(nb):
+            members = [i for i, x in enumerate(buckets) if x == b]
+            rank.update(zip(rng.permutation(members), range(len(members))))
+        for i, b in enumerate(buckets):
+            segment = starts[b] - starts[b // E * E] if b >= 0 else -1
+            if lo <= segment < hi:
+                put(b // E, segment + rank[i], i)
+        for b in range(nb):
+            pads = starts[b] - starts[b // E * E] + count[b]
+            for k in range(max(pads, lo), min(pads + padded[b] - count[b], hi)):
+                put(b // E, k, numel)
+        for r in range(rows):
+            if written[r]:
+                for k in range(max(lo, starts[(r + 1) * E] - starts[r * E]), hi):
+                    put(r, k, numel)
+    for b in range(nb):  # routes within a segment in flat order, as the NumPy backend has them
+        first = starts[b] - starts[b // E * E]
+        out[b // E, first:first + count[b]].sort()
+    return out, writes
+
+
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("kind", ["uniform", "skewed"])
+@pytest.mark.parametrize("E,T,K,B,rows,slices", CASES + [
+    (256, 300, 8, 16, None, 7), (64, 256, 8, 16, 16, 13), (8, 64, 8, 64, None, 40)])
+def test_free_order_spread_writes_each_entry_once(E, T, K, B, rows, slices, kind, group):
+    numel = T * K
+    P, _ = mla.buffer_sizes(numel, E, B)
+    buckets, nrows, processed, refs = _case(E, T, K, B, rows, kind)
+    rng = np.random.default_rng(slices)
+    out, writes = free_spread_model(buckets, nrows, E, B, P, processed, slices, group, rng)
+    for r in range(nrows):
+        assert (writes[r] == (1 if processed[r] else 0)).all(), f"row {r}"
+        if processed[r]:
+            np.testing.assert_array_equal(out[r], refs[0][r], err_msg=f"sorted row {r}")

@@ -596,13 +596,16 @@ def test_one_warp_limit_moves_the_ballot_path(warp, numel, need, spread):
     (800, 4 * 64, 4, {}, True),                           # past the ballot path's routes
     (128, 33 * 64, 33, {}, True),                         # past its rows
     (800, 4 * 64, 4, {"tiny_entries_per_block": 1 << 30}, False),  # one block: free order
-    (16, 16 * 256, 16, {}, False)])                       # the one-warp path, one block
+    (16, 16 * 256, 16, {}, False),                        # the one-warp path, one block
+    (800, 4 * 64, 4, {"tiny_spread_flat_order": False}, False),  # spread in free order
+    (128, 16 * 256, 16, {"ballot_max_routes": 0, "tiny_spread_flat_order": False}, False)])
 def test_spread_counting_path_ranks_in_flat_order(numel, buckets, rows, policy, ordered):
-    """Every block of a spread launch must rank every route alike. The counting path's
-    shared atomics rank in the order its warps happen to run, so a free-order call whose
-    counting path spreads runs the deterministic instance (its counters in shared memory);
-    the ballot and one-warp paths rank in flat order anyway. The fused pair follows its
-    LoRA side."""
+    """By default every block of a spread launch ranks every route alike. The counting
+    path's shared atomics rank in the order its warps happen to run, so a free-order call
+    whose counting path spreads runs the deterministic instance (its counters in shared
+    memory), unless the policy spreads in free order (each position then written by one
+    block); the ballot and one-warp paths rank in flat order anyway. The fused pair follows
+    its LoRA side."""
     policy = d.AlignPolicy(**policy)
     launch = d.choose_launch(numel, buckets, rows, H200, out_entries=66000, policy=policy)
     assert launch.tiny and launch.deterministic == ordered

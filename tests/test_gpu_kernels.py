@@ -277,7 +277,7 @@ def test_warp_and_ballot_limits_follow_the_policy(E, T, K, rows, warp, limit):
                        policy=policy)
 
 
-@pytest.mark.parametrize("path", ["ballot", "counting"])
+@pytest.mark.parametrize("path", ["ballot", "counting", "counting free"])
 @pytest.mark.parametrize("per_block", [1, 100, 4096])
 @pytest.mark.parametrize("E,T,K,rows", [(256, 16, 8, 16), (64, 5, 7, 4), (128, 64, 8, 32),
                                         (512, 5, 8, 1), (7, 4, 10, 1), (1, 33, 1, 1),
@@ -285,14 +285,15 @@ def test_warp_and_ballot_limits_follow_the_policy(E, T, K, rows, warp, limit):
                                         (256, 300, 8, 1), (128, 512, 8, 1), (64, 256, 8, 16)])
 def test_tiny_spread_over_blocks(E, T, K, rows, per_block, path):
     """align_tiny over several blocks, each writing its part of every row, on the ballot
-    path and the counting path (a bucket a thread and four, flat order: free-order calls
-    too, which would otherwise rank unlike each other across blocks): from one part an SM
-    (an entry a block asked) to a few, row lengths that do not split evenly, with and
-    without 16-byte stores (allocated LoRA outputs), listed and disabled slots, scatter
-    indices and an expert map; mid-band sizes up to align_tiny's 4096 routes. The cluster
-    and the cooperative launch are kept out, so align_tiny runs."""
+    path and the counting path (a bucket a thread and four; free-order calls in flat order
+    by default, or in free order with each entry from one block: "counting free"): from
+    one part an SM (an entry a block asked) to a few, row lengths that do not split
+    evenly, with and without 16-byte stores (allocated LoRA outputs), listed and disabled
+    slots, scatter indices and an expert map; mid-band sizes up to align_tiny's 4096
+    routes. The cluster and the cooperative launch are kept out, so align_tiny runs."""
     policy = mla.AlignPolicy(tiny_entries_per_block=per_block,
                              ballot_max_routes=512 if path == "ballot" else 0,
+                             tiny_spread_flat_order=path != "counting free",
                              coop_over_single_entries=1 << 30, cluster_min_routes=1 << 30)
     limits = mla._launch.device_limits(0)
     for det in (False, True):
@@ -306,7 +307,8 @@ def test_tiny_spread_over_blocks(E, T, K, rows, per_block, path):
         assert launch.grid > 1 or per_block > 1
         ballot = mla._dispatch.on_ballot_path(T * K, rows * E, rows, launch.block,
                                               launch.ballot_routes, launch.warp_routes)
-        assert launch.deterministic == (det or (launch.grid > 1 and not ballot))
+        assert launch.deterministic == (det or (launch.grid > 1 and not ballot
+                                                and policy.tiny_spread_flat_order))
         if rows == 1:
             _base_case(E, T, None, det, salt=salt, topk=K, scatter=True,
                        expert_map_mode="after" if det else None, policy=policy)
@@ -315,15 +317,18 @@ def test_tiny_spread_over_blocks(E, T, K, rows, per_block, path):
                        allocate=per_block == 100, use_map=det, policy=policy)
 
 
-@pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
+@pytest.mark.parametrize("order", ["free", "det", "free spread"])
 @pytest.mark.parametrize("E,T,K,L,per_block", [(256, 16, 8, 16, 8192), (64, 5, 7, 4, 100),
                                                (64, 100, 8, 4, 1), (64, 2, 8, 4, 1),
                                                (128, 64, 8, 32, 4096)])
-def test_tiny_pair_spreads_its_lora_side(E, T, K, L, per_block, det):
+def test_tiny_pair_spreads_its_lora_side(E, T, K, L, per_block, order):
     """The fused tiny pair: block 0 aligns base, the other blocks the LoRA side, each its
-    part of every row (one more block where the one-warp path takes the call), on poisoned,
-    guarded outputs against the NumPy backend."""
-    policy = mla.AlignPolicy(tiny_entries_per_block=per_block, coop_over_single_entries=1 << 30)
+    part of every row (one more block where the one-warp path takes the call; "free
+    spread": the LoRA side's counting path in free order), on poisoned, guarded outputs
+    against the NumPy backend."""
+    det = order == "det"
+    policy = mla.AlignPolicy(tiny_entries_per_block=per_block, coop_over_single_entries=1 << 30,
+                             tiny_spread_flat_order=order != "free spread")
     B = 16
     rng = np.random.default_rng(E + T + K + L + per_block)
     ids = make_routing(rng, T, K, E, np.int32, "skewed" if det else "uniform")
