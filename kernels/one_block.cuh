@@ -101,7 +101,8 @@ __global__ void align_pair(const Problem first, const Problem second) {
 // the time is that chain, one warp's instructions one after another (about five stages of
 // ~1000 cycles in align_single), so this version has no divisions in its loops, a two-barrier
 // scan whose result stays in each bucket's thread, tiles written by their bucket's thread
-// instead of a binary search per tile, and every fill issued before counting.
+// instead of a binary search per tile, and every fill issued before counting (but a
+// free-order spread's, see Slices).
 // DET: ranks in flat-index order. Warp w owns routes [w * items * 32, (w + 1) * items * 32),
 // items = 1, 2 or 4 routes a lane (the fewest that cover the routes); ranks within the warp
 // come in lane order (claim_in_lane_order into the warp's own counters), and each bucket's
@@ -153,8 +154,6 @@ __device__ __forceinline__ void fill_tiles_part(const Problem& p, int r, RowPart
   for (int k = part.lo + from; k < part.hi; k += step) tiles[k] = -1;
 }
 
-// Bucket b's tiles [tile0, tile0 + tiles) of row r that fall in `part` get its expert id
-// (mapped when map_mode == 2).
 // Sentinels into [lo, hi) of row r (lo anywhere; int4 stores between 16-byte boundaries where
 // `vec`), threads from `from` by `step`.
 __device__ __forceinline__ void fill_row_span(const Problem& p, int r, int lo, int hi, bool vec,
@@ -171,6 +170,28 @@ __device__ __forceinline__ void fill_row_span(const Problem& p, int r, int lo, i
   for (int k = hi4 + from; k < hi; k += step) row[k] = p.numel;
 }
 
+// fill(r, from, step) for every written row, the threads from `from` by `step`. Short rows:
+// a group of nwarps / rows warps a row (one warp a row when rows >= nwarps); all rows in
+// every thread would leave most threads idle on every row.
+template <typename Fill>
+__device__ __forceinline__ void for_written_rows(const Problem& p, const unsigned char* processed,
+                                                 bool short_rows, Fill fill) {
+  const int tid = threadIdx.x, warp = tid >> 5, nwarps = blockDim.x >> 5;
+  if (short_rows) {
+    const int group = p.rows >= nwarps ? 1 : nwarps / p.rows;
+    const int row0 = warp / group;  // a last, incomplete group gets row0 >= rows: it idles
+#pragma unroll 1
+    for (int r = row0; r < p.rows; r += nwarps / group)
+      if (row_written(p, processed, r)) fill(r, tid - row0 * group * 32, 32 * group);
+  } else {
+#pragma unroll 1
+    for (int r = 0; r < p.rows; ++r)
+      if (row_written(p, processed, r)) fill(r, tid, (int)blockDim.x);
+  }
+}
+
+// Bucket b's tiles [tile0, tile0 + tiles) of row r that fall in `part` get its expert id
+// (mapped when map_mode == 2).
 __device__ __forceinline__ void write_tiles_part(const Problem& p, int r, int b, int tile0,
                                                  int tiles, RowPart part) {
   const int t0 = max(tile0, part.lo), t1 = min(tile0 + tiles, part.hi);
@@ -219,30 +240,18 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p, int slice, 
   // The sentinel fill of every written row (this slice's part), and -1 in all its tiles:
   // fire-and-forget stores that drain while the block counts (routes and tile owners
   // overwrite them after the barriers below, so nothing is left to write past the totals at
-  // the end).
+  // the end). A free-order spread fills its rows after the scan instead.
   const bool vec = ((p.sorted_pitch & 3) == 0) &&
                    ((reinterpret_cast<unsigned long long>(p.sorted_ids) & 15) == 0);
   const RowPart part = row_part(p.padded_len, vec ? 4 : 1, slice, slices);
   const RowPart tile_part = row_part(p.num_tiles, 1, slice, slices);
   const int part_len = part.hi - part.lo;
   const bool late = !DET && slices > 1;  // free-order spread: the fill waits for the scan
-  const auto fill_row = [&](int r, int from, int step) {
-    if (row_written(p, processed, r)) fill_row_part(p, r, part, vec, from, step);
-  };
-  if (!late) {  // (a free-order spread fills after the scan)
-    if (p.rows > 1 && 2 * (vec ? part_len >> 2 : part_len) <= (int)blockDim.x) {
-      // Short rows: a group of nwarps / rows warps fills each (one warp a row when rows >=
-      // nwarps); all rows in every thread would leave most threads idle on every row.
-      const int group = p.rows >= nwarps ? 1 : nwarps / p.rows;
-      const int row0 = warp / group;  // a last, incomplete group gets row0 >= rows: it idles
-#pragma unroll 1
-      for (int r = row0; r < p.rows; r += nwarps / group)
-        fill_row(r, tid - row0 * group * 32, 32 * group);
-    } else {
-#pragma unroll 1
-      for (int r = 0; r < p.rows; ++r) fill_row(r, tid, blockDim.x);
-    }
-  }
+  const bool short_rows = p.rows > 1 && 2 * (vec ? part_len >> 2 : part_len) <= (int)blockDim.x;
+  if (!late)
+    for_written_rows(p, processed, short_rows, [&](int r, int from, int step) {
+      fill_row_part(p, r, part, vec, from, step);
+    });
   if (slices == 1) {
     fill_tile_ids(p, processed, tid, blockDim.x);
   } else {
@@ -314,12 +323,10 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p, int slice, 
       for (int k = max(pads, part.lo); k < min(pads + padded[q] - count[q], part.hi); ++k)
         out[k] = p.numel;
     }
-#pragma unroll 1
-    for (int r = 0; r < p.rows; ++r) {
-      if (!row_written(p, processed, r)) continue;
+    for_written_rows(p, processed, short_rows, [&](int r, int from, int step) {  // the tails
       const int row_total = starts[(r + 1) * p.num_experts] - starts[r * p.num_experts];
-      fill_row_span(p, r, max(part.lo, row_total), part.hi, vec, tid, blockDim.x);
-    }
+      fill_row_span(p, r, max(part.lo, row_total), part.hi, vec, from, step);
+    });
   }
   // Tiles of this thread's buckets (only processed rows have counts).
 #pragma unroll

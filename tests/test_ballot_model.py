@@ -190,17 +190,22 @@ def free_spread_model(buckets, rows, E, B, P, written, slices, group, rng):
     return out, writes
 
 
+@pytest.mark.parametrize("fill_unprocessed", [False, True])
 @pytest.mark.parametrize("group", [1, 4])
 @pytest.mark.parametrize("kind", ["uniform", "skewed"])
 @pytest.mark.parametrize("E,T,K,B,rows,slices", CASES + [
     (256, 300, 8, 16, None, 7), (64, 256, 8, 16, 16, 13), (8, 64, 8, 64, None, 40)])
-def test_free_order_spread_writes_each_entry_once(E, T, K, B, rows, slices, kind, group):
+def test_free_order_spread_writes_each_entry_once(E, T, K, B, rows, slices, kind, group,
+                                                 fill_unprocessed):
     numel = T * K
     P, _ = mla.buffer_sizes(numel, E, B)
     buckets, nrows, processed, refs = _case(E, T, K, B, rows, kind)
+    written = [True] * nrows if fill_unprocessed else processed
     rng = np.random.default_rng(slices)
-    out, writes = free_spread_model(buckets, nrows, E, B, P, processed, slices, group, rng)
+    out, writes = free_spread_model(buckets, nrows, E, B, P, written, slices, group, rng)
     for r in range(nrows):
-        assert (writes[r] == (1 if processed[r] else 0)).all(), f"row {r}"
+        assert (writes[r] == (1 if written[r] else 0)).all(), f"row {r}"
         if processed[r]:
             np.testing.assert_array_equal(out[r], refs[0][r], err_msg=f"sorted row {r}")
+        elif written[r]:  # sentinels only
+            assert (out[r] == numel).all(), f"row {r}"

@@ -324,14 +324,15 @@ def test_tiny_spread_over_blocks(E, T, K, rows, per_block, path):
 def test_tiny_pair_spreads_its_lora_side(E, T, K, L, per_block, order):
     """The fused tiny pair: block 0 aligns base, the other blocks the LoRA side, each its
     part of every row (one more block where the one-warp path takes the call; "free
-    spread": the LoRA side's counting path in free order), on poisoned, guarded outputs
-    against the NumPy backend."""
-    det = order == "det"
+    spread": the counting path, the LoRA side's spread in free order), on poisoned, guarded
+    outputs against the NumPy backend."""
+    det, free = order == "det", order == "free spread"
     policy = mla.AlignPolicy(tiny_entries_per_block=per_block, coop_over_single_entries=1 << 30,
-                             tiny_spread_flat_order=order != "free spread")
+                             tiny_spread_flat_order=not free,
+                             ballot_max_routes=0 if free else 512)
     B = 16
     rng = np.random.default_rng(E + T + K + L + per_block)
-    ids = make_routing(rng, T, K, E, np.int32, "skewed" if det else "uniform")
+    ids = make_routing(rng, T, K, E, np.int32, "uniform" if order == "free" else "skewed")
     mapping, lora_ids, enabled = make_lora(rng, T, L, disabled=1)
     P, M = mla.buffer_sizes(T * K, E, B)
     kw = dict(lora_ids=lora_ids, adapter_enabled=enabled)
@@ -350,6 +351,8 @@ def test_tiny_pair_spreads_its_lora_side(E, T, K, L, per_block, order):
                                        policy=policy)
     assert launch.tiny and launch.grid == 1 + mla._dispatch.tiny_blocks(
         T * K, L, L * (P + M), mla._launch.device_limits(0), policy)
+    if free:
+        assert not launch.deterministic
     for side, rows, extra in ((0, 1, {}), (1, L, dict(mapping=mapping, lora_ids=lora_ids,
                                                        enabled=enabled, map_before=True))):
         for guard, _ in dev[side]:
