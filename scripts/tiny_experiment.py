@@ -159,8 +159,11 @@ def medians_in_turns(names, time_run, turns=3):
 
 
 def use_kernels(directory):
-    """Compile and load the kernels from ``directory`` (None: the package's own)."""
-    _kernels.use_build(_kernels.KernelBuild(source_dir=directory))
+    """Compile and load the kernels from ``directory`` (None: the package's own), unless
+    they are the ones loaded (a switch drops every loaded module)."""
+    build = _kernels.KernelBuild(source_dir=directory)
+    if _kernels.current_build() != build:
+        _kernels.use_build(build)
 
 
 def main():
@@ -175,6 +178,11 @@ def main():
     stream = cupy.cuda.Stream(non_blocking=True)
     report = {}
     keep = args.runs.split(",") if args.runs else [r[0] for r in RUNS]
+    unknown = [name for name in keep if name not in {r[0] for r in RUNS}]
+    wanted = [part for part in args.cases.split("|") if part]
+    unmatched = [part for part in wanted if not any(part in str(case) for case in CASES)]
+    if unknown or unmatched:  # a typo would otherwise drop its runs or cases silently
+        ap.error(f"unknown runs {unknown}, case parts matching no case {unmatched}")
     runs = [r for r in RUNS if r[0] in keep]
     for v in args.variant:
         name, spec = v.split("=", 1)
@@ -185,7 +193,6 @@ def main():
     print(f"{'case':40s} " + " ".join(f"{n:>10s}" for n, _, _, _, _ in runs)
           + "   (graph us, median of 3 in turn)")
     by_name = {r[0]: r for r in runs}
-    wanted = [part for part in args.cases.split("|") if part]
     for case in CASES:
         if wanted and not any(part in str(case) for part in wanted):
             continue
