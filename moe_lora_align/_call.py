@@ -74,6 +74,15 @@ def _available_memory(where, device_id) -> int:
         return 0
 
 
+def _native(name, x, where):
+    """``x`` as NumPy or CuPy; a list NumPy cannot make an array of (ragged) is refused by
+    name."""
+    try:
+        return _interop.to_native(x, where)
+    except ValueError as e:
+        raise ValueError(f"{name} is not an array NumPy can make: {e}") from None
+
+
 def prepare(topk_ids, block_size, num_experts, *, rows, token_lora_mapping=None,
              lora_ids=None, adapter_enabled=None, expert_map=None, map_mode=MAP_NONE,
              pad_sorted_ids=False, scatter=False, deterministic=False, out=None,
@@ -101,7 +110,7 @@ def prepare(topk_ids, block_size, num_experts, *, rows, token_lora_mapping=None,
     # An AlignPlan's own buffers (CuPy) may serve inputs of another framework.
     where, framework = _interop.classify({**inputs, **out_named},
                                          exempt=tuple(out_named) if plan_outputs else ())
-    native = {k: _interop.to_native(v, where) for k, v in inputs.items()}
+    native = {k: _native(k, v, where) for k, v in inputs.items()}
     given = {k: _interop.to_native(v, where) for k, v in out_named.items()}
     device_id = None
     if where == _interop.DEVICE:
@@ -129,7 +138,7 @@ def prepare(topk_ids, block_size, num_experts, *, rows, token_lora_mapping=None,
             continue
         r = rows if n in ("sorted_token_ids", "expert_ids") else 1
         full = length if n != "num_tokens_post_pad" else rows
-        pitch = _checks.check_output(f"{out_arg} {n}" if out_arg != "out" else n, buf, r, full)
+        pitch = _checks.check_output(f"{out_arg} {n}", buf, r, full)
         pitches.append(pitch)
         written[f"{out_arg} {n}"] = (buf, r * pitch)
     if outs is None:
@@ -193,16 +202,19 @@ def allocate(call: Call, stream=None) -> None:
 
 
 def check_pair_disjoint(base: Call, lora: Call) -> None:
-    """The base and LoRA outputs given to one call must not share memory either."""
-    if base.out_shapes is not None or lora.out_shapes is not None:
-        return
+    """The base and LoRA outputs given to one call must not share memory with each other, nor
+    with the other side's inputs (each call checked its own). Allocated outputs are apart."""
     spans = {}
     for call, arg in ((base, "out_base"), (lora, "out_lora")):
+        if call.out_shapes is not None:
+            continue
         j = call.job
         for n, buf, entries in zip(BASE_OUTS, (j.sorted_ids, j.expert_ids, j.num_post_pad),
                                    (j.rows * j.sorted_pitch, j.rows * j.expert_pitch, j.rows)):
             spans[f"{arg} {n}"] = (buf, entries)
-    _checks.check_disjoint(spans, {})
+    j = lora.job
+    _checks.check_disjoint(spans, {"token_lora_mapping": j.token_slot, "lora_ids": j.lora_ids,
+                                   "adapter_enabled": j.adapter_enabled})
 
 
 # ---- the NumPy backend ----------------------------------------------------------------------
@@ -729,6 +741,7 @@ def align(op, topk_ids, token_lora_mapping, block_size, num_experts, max_loras, 
     variant = _checks.option("variant", variant, VARIANTS)
     streams = _checks.option("streams", streams, STREAM_MODES)
     scatter = _checks.flag("return_scatter_idx", scatter)
+    ignore_invalid_experts = _checks.flag("ignore_invalid_experts", ignore_invalid_experts)
     if policy is None:
         policy = DEFAULT_POLICY
     elif not isinstance(policy, AlignPolicy):

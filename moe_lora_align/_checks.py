@@ -46,8 +46,9 @@ def option(name: str, value, allowed: tuple):
 
 
 def flag(name: str, value) -> bool:
-    if not isinstance(value, (bool, np.bool_, int, np.integer)):
-        raise TypeError(f"{name} must be True or False, got {type(value).__name__}")
+    """True or False (also 0 or 1); anything else is a TypeError naming the argument."""
+    if not isinstance(value, (bool, np.bool_, int, np.integer)) or value not in (0, 1):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
     return bool(value)
 
 
@@ -113,26 +114,27 @@ def check_int32_vector(name: str, x, min_len: int, exact: bool = False):
 
 
 def check_output(name: str, x, rows: int, length: int):
-    """Validate one output buffer; return its row pitch (elements between rows)."""
+    """Validate one output buffer (``name``: how the error names it, e.g. "out expert_ids");
+    return its row pitch (elements between rows)."""
     if np.dtype(x.dtype) != INT32:
-        raise TypeError(f"out {name} must be int32, got {np.dtype(x.dtype)}")
+        raise TypeError(f"{name} must be int32, got {np.dtype(x.dtype)}")
     if not x.flags.c_contiguous:
-        raise ValueError(f"out {name} must be C-contiguous")
+        raise ValueError(f"{name} must be C-contiguous")
     if not getattr(x.flags, "writeable", True):
-        raise ValueError(f"out {name} is read-only")
+        raise ValueError(f"{name} is read-only")
     if x.ndim == 2 and rows > 1:
         if x.shape[0] != rows or x.shape[1] < length:
             raise ValueError(
-                f"out {name} must have shape [{rows}, >= {length}], got {tuple(x.shape)}"
+                f"{name} must have shape [{rows}, >= {length}], got {tuple(x.shape)}"
             )
         pitch = int(x.shape[1])
     else:
         if int(x.size) < rows * length:
             raise ValueError(
-                f"out {name} is too small: needs {rows * length} int32 entries, has {int(x.size)}"
+                f"{name} is too small: needs {rows * length} int32 entries, has {int(x.size)}"
             )
         pitch = length
-    check_index_range(f"out {name}", rows * pitch + length)
+    check_index_range(name, rows * pitch + length)
     return pitch
 
 

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import _dispatch
+from . import _checks, _dispatch
 from ._kernels import kernels_for, kernels_loaded
 
 _POINTERS = ("topk_ids", "token_slot", "lora_ids", "adapter_enabled", "expert_map",
@@ -337,11 +337,17 @@ def scratch_bytes(numel: int, num_experts: int, block_size: int, *, max_loras=No
     count + place launches and the ordered-rank deterministic cooperative launch, else 0). A workspace is kept per
     (device, stream) and grows to the largest call made on that stream; an ``AlignPlan``
     holds its own two. ``limits``: the device's (default: those of GPU ``device``)."""
-    from ._sizes import buffer_sizes
+    from ._sizes import MAX_BUCKETS, buffer_sizes
 
-    rows = max_loras or 1
+    rows = 1 if max_loras is None else _checks.positive_int("max_loras", max_loras, MAX_BUCKETS)
     P, M = buffer_sizes(numel, num_experts, block_size, pad_sorted_ids)
-    limits = limits or device_limits(device)
+    if limits is None:
+        try:
+            limits = device_limits(device)
+        except (ImportError, RuntimeError):  # no CuPy, or no GPU it can see
+            raise RuntimeError("scratch_bytes needs the device's limits: run it where CuPy "
+                               "sees the GPU, or pass limits= (for an H200: "
+                               "moe_lora_align._dispatch.DeviceLimits.h200())") from None
     nb = rows * num_experts
     launch = checked_launch(numel, nb, rows, limits, deterministic, variant, rows * (P + M),
                             policy)

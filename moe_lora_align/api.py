@@ -119,7 +119,8 @@ def moe_align_block_size(topk_ids: Array, block_size: int, num_experts: int,
         stream: GPU only: the stream to order the work on (a ``cupy.cuda.Stream`` or a
             framework stream); default: the current stream of the input's framework.
         validate: check values (``expert_map`` range); default on for host arrays, off for
-            device arrays (it costs a device sync).
+            device arrays (it costs a device sync). ``False`` skips them on the host too:
+            whatever the values, nothing outside the arrays is read or written.
         policy: the dispatcher's tuning (``AlignPolicy``); default: the H200-measured one.
 
     Returns:

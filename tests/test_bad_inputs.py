@@ -62,11 +62,13 @@ _shared = np.full(P + M + 1, POISON, np.int32)
 # (README row, the call, the outputs it was given, error type, words the message holds)
 CASES = [
     ("`topk_ids=None`", base(topk_ids=None), None, TypeError, "topk_ids is required"),
-    ("`topk_ids` a string or another non-array", base(topk_ids="ids"), None, TypeError,
-     "topk_ids: unsupported array type"),
+    ("`topk_ids` a string or another object that is not array-like", base(topk_ids="ids"),
+     None, TypeError, "topk_ids: unsupported array type"),
+    ("`topk_ids` a ragged list", base(topk_ids=[[0, 1], [2]]), None, ValueError,
+     "topk_ids is not an array NumPy can make"),
     ("`topk_ids` float or bool", base(topk_ids=IDS.astype(np.float32)), None, TypeError,
      "topk_ids must have an integer dtype"),
-    ("`topk_ids` not 2-D", base(topk_ids=IDS.reshape(-1)), None, ValueError,
+    ("`topk_ids` not 2-D (a scalar too)", base(topk_ids=5), None, ValueError,
      "topk_ids must be 2-D"),
     ("`block_size`, `num_experts`, `max_loras` not integers (`12.9`, `\"12\"`, `True`)",
      base(block_size=4.0), None, TypeError, "block_size must be an integer"),
@@ -102,17 +104,25 @@ CASES = [
      "out sorted_token_ids and out expert_ids overlap"),
     ("an `out` buffer that overlaps an input", None, None, ValueError,
      "out sorted_token_ids and topk_ids overlap"),
-    ("`out_base` overlapping `out_lora`", None, None, ValueError,
+    ("`out_base` overlapping `out_lora`, or an input of the LoRA side", None, None, ValueError,
      "out_base sorted_token_ids and out_lora num_tokens_post_pad overlap"),
     ("a JAX array in `out`", None, None, TypeError, "JAX array, which cannot be written"),
-    ("`token_lora_mapping=None` or of the wrong length or dtype",
-     lora(token_lora_mapping=MAPPING[:-1]), None, ValueError,
-     "token_lora_mapping must have exactly 6 entries"),
+    ("`token_lora_mapping=None`", lora(token_lora_mapping=None), None, TypeError,
+     "token_lora_mapping is required"),
+    ("`token_lora_mapping` of the wrong length", lora(token_lora_mapping=MAPPING[:-1]), None,
+     ValueError, "token_lora_mapping must have exactly 6 entries"),
+    ("`token_lora_mapping`, `lora_ids`, `adapter_enabled` or `expert_map` not int32",
+     lora(token_lora_mapping=MAPPING.astype(np.int64)), None, TypeError,
+     "token_lora_mapping must be int32"),
+    ("`token_lora_mapping`, `lora_ids`, `adapter_enabled` or `expert_map` not contiguous "
+     "(`topk_ids` is copied)", lora(lora_ids=np.zeros(2 * R + 2, np.int32)[::2]), None,
+     ValueError, "lora_ids must be contiguous"),
     ("`lora_ids` or `adapter_enabled` shorter than `max_loras + 1`",
      lora(lora_ids=np.zeros(R, np.int32)), None, ValueError, "lora_ids must have at least 4"),
-    ("`expert_map` of the wrong length or dtype", base(expert_map=np.zeros(E, np.int64)),
-     None, TypeError, "expert_map must be int32"),
-    ("`token_lora_mapping` values outside `[-1, max_loras)` (host, or `validate=True`)",
+    ("`expert_map` of the wrong length", base(expert_map=np.zeros(E + 1, np.int32)), None,
+     ValueError, "expert_map must have exactly 4 entries"),
+    ("`token_lora_mapping` values outside `[-1, max_loras)` (host arrays unless "
+     "`validate=False`; device arrays with `validate=True`)",
      lora(out=lora_out(), token_lora_mapping=np.array([0, 1, 2, R, 0, 1], np.int32)), "given",
      ValueError, "token_lora_mapping\\[3\\] = 3"),
     ("`lora_ids` listing a slot twice in its first `max_loras + 1` entries",
@@ -127,15 +137,17 @@ CASES = [
      "variant must be one of"),
     ("a forced `variant` that cannot run the sizes", None, None, ValueError,
      "variant='shared' cannot run"),
-    ("`deterministic`, `pad_sorted_ids` and other flags not booleans",
-     base(deterministic="yes"), None, TypeError, "deterministic must be True or False"),
+    ("`deterministic`, `pad_sorted_ids`, `ignore_invalid_experts` and other flags not "
+     "booleans (0 and 1 pass)", base(deterministic="yes"), None, TypeError,
+     "deterministic must be True or False"),
     ("`AlignPlan` without a GPU", None, None, RuntimeError, "AlignPlan needs CuPy and a CUDA GPU"),
 ]
 # Rows the table covers with a test elsewhere in this file (they need a second setup).
 ELSEWHERE = {
     "outputs larger than the device's (or host's) memory": "test_outputs_larger_than_memory",
     "an `out` buffer that overlaps an input": "test_out_overlapping_an_input",
-    "`out_base` overlapping `out_lora`": "test_base_and_lora_outputs_overlapping",
+    "`out_base` overlapping `out_lora`, or an input of the LoRA side":
+        "test_base_and_lora_outputs_overlapping",
     "a JAX array in `out`": "test_jax_out_is_refused",
     "arrays on the host and the GPU, or on two GPUs": "tests/test_gpu_kernels.py",
     "a forced `variant` that cannot run the sizes": "tests/test_dispatch.py",
@@ -192,6 +204,49 @@ def test_base_and_lora_outputs_overlapping():
                                          "num_tokens_post_pad overlap"):
         mla.align_moe_and_lora(IDS, MAPPING, B, E, R, out_base=out_b, out_lora=out_l)
     assert all((a == POISON).all() for a in out_b + out_l)
+
+
+@pytest.mark.parametrize("name", ["token_lora_mapping", "lora_ids", "adapter_enabled"])
+def test_base_outputs_overlapping_a_lora_input(name):
+    """The base side's out= buffers must not share memory with an input only the LoRA side
+    reads: the base alignment would overwrite it before the LoRA one reads it."""
+    inputs = {"token_lora_mapping": MAPPING.copy(),
+              "lora_ids": np.array([0, 1, 2, -1], np.int32),
+              "adapter_enabled": np.ones(R + 1, np.int32)}
+    before = inputs[name].copy()
+    out_b = base_out()[:2] + [inputs[name][:1]]
+    with pytest.raises(ValueError, match=f"out_base num_tokens_post_pad and {name} overlap"):
+        mla.align_moe_and_lora(IDS, inputs["token_lora_mapping"], B, E, R,
+                               lora_ids=inputs["lora_ids"],
+                               adapter_enabled=inputs["adapter_enabled"], out_base=out_b)
+    np.testing.assert_array_equal(inputs[name], before)
+    assert all((a == POISON).all() for a in out_b[:2])
+
+
+@pytest.mark.parametrize("flag", ["deterministic", "pad_sorted_ids", "ignore_invalid_experts",
+                                  "return_scatter_idx"])
+@pytest.mark.parametrize("value", [2, -1, "no", None, []])
+def test_flags_take_true_false_0_and_1_only(flag, value):
+    with pytest.raises(TypeError, match=f"{flag} must be True or False"):
+        base(expert_map=np.arange(E, dtype=np.int32), **{flag: value})()
+    for ok in (0, 1, np.bool_(True)):
+        base(expert_map=np.arange(E, dtype=np.int32), **{flag: ok})()
+
+
+def test_error_names_a_pair_output_once():
+    out_l = lora_out()
+    out_l[2] = np.full(1, POISON, np.int32)
+    with pytest.raises(ValueError, match="^out_lora num_tokens_post_pad is too small"):
+        mla.align_moe_and_lora(IDS, MAPPING, B, E, R, out_lora=out_l)
+
+
+def test_scratch_bytes_without_a_gpu_asks_for_limits():
+    if mla.gpu_available():
+        pytest.skip("a GPU is here")
+    with pytest.raises(RuntimeError, match="scratch_bytes needs the device's limits"):
+        mla.scratch_bytes(8, E, B)
+    with pytest.raises(ValueError, match="max_loras must be >= 1"):
+        mla.scratch_bytes(8, E, B, max_loras=0, limits=mla._dispatch.DeviceLimits.h200())
 
 
 def test_jax_out_is_refused():

@@ -40,3 +40,14 @@ def test_moe_align_block_size(T, K, E, B, pad):
     np.testing.assert_array_equal(ntpp, ref.num_tokens_post_pad)
     assert (sorted_ids[P:] == T * K).all()  # the sentinel to the end of the buffer
     assert (cumsum == 0).all()              # the engine's scratch: not written
+
+
+def test_topk_ids_as_a_list_with_padding():
+    """A Python list of ids, which the public functions take, pads to the buffer's end too."""
+    ids = [[0, 1], [2, 3]]
+    sorted_ids, expert_ids, ntpp, cumsum = sglang_buffers(4, 4, 4, True)
+    sglang.moe_align_block_size(ids, 5, 4, sorted_ids, expert_ids, ntpp, cumsum, True)
+    P, _ = mla.buffer_sizes(4, 5, 4, True)
+    ref = mla.moe_align_block_size(np.array(ids, np.int32), 4, 5, pad_sorted_ids=True)
+    np.testing.assert_array_equal(sorted_ids[:P], ref.sorted_token_ids)
+    assert (sorted_ids[P:] == 4).all()

@@ -97,3 +97,31 @@ def test_buffers_too_small_are_named():
     with pytest.raises(ValueError, match="sorted_token_ids"):
         vllm.moe_align_block_size(ids, 8, 4, np.zeros(3, np.int32), np.zeros(9, np.int32),
                                   np.zeros(1, np.int32))
+
+
+@pytest.mark.parametrize("change,error,words", [
+    (dict(sorted_token_ids=np.full(21, POISON, np.int32)), ValueError,
+     "sorted_token_ids must be a flat array of at least"),
+    (dict(sorted_token_ids=np.full((2, 40), POISON, np.int32)), ValueError,
+     "sorted_token_ids must be a flat array"),
+    (dict(experts_ids=None), TypeError, "experts_ids must be a flat int32 array"),
+    (dict(max_num_tokens_padded=-1), ValueError, "max_num_tokens_padded must be >= 1"),
+    (dict(max_num_m_blocks=2.0), TypeError, "max_num_m_blocks must be an integer"),
+    (dict(max_loras=2.0), TypeError, "max_loras must be an integer"),
+])
+def test_lora_arguments_are_named_before_anything_is_written(change, error, words):
+    """The flat buffers and the sizes that cut them into rows are checked first: a buffer
+    too small or not flat, or a size that is not a positive integer, is named."""
+    args = dict(topk_ids=np.array([[0, 1], [2, 3]], np.int32),
+                token_lora_mapping=np.array([0, 1], np.int32), num_experts=4, block_size=4,
+                max_loras=2, max_num_tokens_padded=40, max_num_m_blocks=10,
+                sorted_token_ids=np.full(80, POISON, np.int32),
+                experts_ids=np.full(20, POISON, np.int32),
+                num_tokens_post_pad=np.full(2, POISON, np.int32),
+                adapter_enabled=np.ones(3, np.int32), lora_ids=np.array([0, 1, -1], np.int32))
+    args.update(change)
+    with pytest.raises(error, match=words):
+        vllm.moe_lora_align_block_size(**args)
+    for name in ("sorted_token_ids", "experts_ids", "num_tokens_post_pad"):
+        if isinstance(args[name], np.ndarray):
+            assert (args[name] == POISON).all(), name

@@ -10,6 +10,10 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import numpy as np
+
+from .. import _checks
+from .._sizes import MAX_BUCKETS
 from ..api import moe_align_block_size as _align
 from ..api import moe_lora_align_block_size as _lora_align
 
@@ -38,10 +42,24 @@ def moe_lora_align_block_size(topk_ids: Array, token_lora_mapping: Array, num_ex
     ``num_tokens_post_pad[max_loras]``; row ``L`` of each starts at ``L`` times its row
     length. ``lora_ids`` and ``adapter_enabled`` hold ``max_loras + 1`` entries. Rows of slots
     that are not processed are left as they were."""
-    sorted_rows = sorted_token_ids[:max_loras * max_num_tokens_padded].reshape(
-        max_loras, max_num_tokens_padded)
-    expert_rows = experts_ids[:max_loras * max_num_m_blocks].reshape(max_loras,
-                                                                      max_num_m_blocks)
+    max_loras = _checks.positive_int("max_loras", max_loras, MAX_BUCKETS)
+    sorted_rows = _rows("sorted_token_ids", sorted_token_ids, max_loras,
+                        _checks.positive_int("max_num_tokens_padded", max_num_tokens_padded))
+    expert_rows = _rows("experts_ids", experts_ids, max_loras,
+                        _checks.positive_int("max_num_m_blocks", max_num_m_blocks))
     _lora_align(topk_ids, token_lora_mapping, block_size, num_experts, max_loras,
                 lora_ids=lora_ids, adapter_enabled=adapter_enabled, expert_map=expert_map,
                 out=(sorted_rows, expert_rows, num_tokens_post_pad))
+
+
+def _rows(name: str, flat: Array, rows: int, length: int) -> Array:
+    """The first ``rows * length`` entries of the flat buffer ``flat`` as ``[rows, length]``
+    (a view), after checking that it is a 1-D array that holds them."""
+    shape = getattr(flat, "shape", None)
+    if shape is None:
+        raise TypeError(f"{name} must be a flat int32 array, got {type(flat).__name__}")
+    need = rows * length
+    if len(shape) != 1 or int(np.prod(shape)) < need:
+        raise ValueError(f"{name} must be a flat array of at least max_loras * its row length "
+                         f"= {rows} * {length} = {need} entries, got shape {tuple(shape)}")
+    return flat[:need].reshape(rows, length)
