@@ -258,6 +258,35 @@ def test_overlap_is_checked_on_the_prepared_path_too():
     assert (whole == POISON).all()
 
 
+@pytest.mark.parametrize("name", ["token_lora_mapping", "lora_ids", "adapter_enabled"])
+def test_base_outputs_overlapping_a_lora_input_on_both_paths(name):
+    """out_base sharing memory with an input only the LoRA side reads is refused on the full
+    path (first call) and on the prepared one (a call like an earlier good one), the input
+    left as it was."""
+    ids = _routing(1)
+    T = ids.shape[0]
+    P, M = mla.buffer_sizes(ids.size, E, B)
+    d_ids = cupy.asarray(ids)
+    inputs = {"token_lora_mapping": cupy.asarray(np.arange(T, dtype=np.int32) % L),
+              "lora_ids": cupy.asarray(np.array([0, 1, 2, 3, -1], np.int32)),
+              "adapter_enabled": cupy.ones(L + 1, np.int32)}
+    before = {k: cupy.asnumpy(v) for k, v in inputs.items()}
+    kw = dict(lora_ids=inputs["lora_ids"], adapter_enabled=inputs["adapter_enabled"])
+    good = (cupy.zeros(P, np.int32), cupy.zeros(M, np.int32), cupy.zeros(1, np.int32))
+    bad = good[:2] + (inputs[name][:1],)
+    for first in (True, False):
+        if not first:  # make the call like this one a prepared one
+            for _ in range(2):
+                mla.align_moe_and_lora(d_ids, inputs["token_lora_mapping"], B, E, L,
+                                       out_base=good, **kw)
+        with pytest.raises(ValueError, match=f"out_base num_tokens_post_pad and {name} overlap"):
+            mla.align_moe_and_lora(d_ids, inputs["token_lora_mapping"], B, E, L, out_base=bad,
+                                   **kw)
+        cupy.cuda.get_current_stream().synchronize()
+        for k, v in inputs.items():
+            np.testing.assert_array_equal(cupy.asnumpy(v), before[k])
+
+
 def test_capture_through_the_public_function_with_out():
     ids = _routing(5)
     P, M = mla.buffer_sizes(ids.size, E, B)
