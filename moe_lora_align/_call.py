@@ -75,12 +75,16 @@ def _available_memory(where, device_id) -> int:
 
 
 def _native(name, x, where):
-    """``x`` as NumPy or CuPy; a list NumPy cannot make an array of (ragged) is refused by
-    name."""
+    """``x`` as NumPy or CuPy; a list NumPy cannot make an array of (ragged), or an array
+    of a dtype NumPy has no type for (torch.bfloat16), is refused by name."""
     try:
         return _interop.to_native(x, where)
     except ValueError as e:
         raise ValueError(f"{name} is not an array NumPy can make: {e}") from None
+    except TypeError:
+        if getattr(x, "dtype", None) is None:
+            raise
+        raise _checks.dtype_error(name, x.dtype) from None
 
 
 def prepare(topk_ids, block_size, num_experts, *, rows, token_lora_mapping=None,

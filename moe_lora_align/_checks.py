@@ -86,12 +86,19 @@ def out_buffers(out, names: tuple, arg: str = "out"):
     return tuple(out)
 
 
+def dtype_error(name: str, got) -> TypeError:
+    """The error for an input of the wrong dtype (``got``: NumPy's, or a framework's that
+    NumPy has no type for, such as torch.bfloat16)."""
+    if name == "topk_ids":
+        return TypeError(
+            f"topk_ids must have an integer dtype (int8/16/32/64 or uint8/16/32/64), got {got}")
+    return TypeError(f"{name} must be int32, got {got}")
+
+
 def check_topk_ids(topk_ids):
     dt = np.dtype(topk_ids.dtype)
     if dt not in ID_DTYPES:
-        raise TypeError(
-            f"topk_ids must have an integer dtype (int8/16/32/64 or uint8/16/32/64), got {dt}"
-        )
+        raise dtype_error("topk_ids", dt)
     if topk_ids.ndim != 2:
         raise ValueError(f"topk_ids must be 2-D [tokens, topk], got shape {tuple(topk_ids.shape)}")
     check_index_range("topk_ids", int(topk_ids.size))
@@ -101,7 +108,7 @@ def check_int32_vector(name: str, x, min_len: int, exact: bool = False):
     if x is None:
         return
     if np.dtype(x.dtype) != INT32:
-        raise TypeError(f"{name} must be int32, got {np.dtype(x.dtype)}")
+        raise dtype_error(name, np.dtype(x.dtype))
     if x.ndim != 1:
         raise ValueError(f"{name} must be 1-D, got shape {tuple(x.shape)}")
     n = int(x.shape[0])

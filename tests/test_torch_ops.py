@@ -88,3 +88,16 @@ def test_compile_fullgraph():
     np.testing.assert_array_equal(lora[0].numpy(), want_l.sorted_token_ids)
     assert int(total[0]) == int(want_b.num_tokens_post_pad[0]) + int(
         want_l.num_tokens_post_pad.sum())
+
+
+def test_dtypes_numpy_lacks_are_named():
+    """A torch dtype NumPy has no type for (bfloat16) gets the argument's own dtype error,
+    from the public functions and the ops alike."""
+    ids, mapping, _, _ = _inputs()
+    with pytest.raises(TypeError, match="topk_ids must have an integer dtype.*bfloat16"):
+        mla.moe_align_block_size(torch.from_numpy(ids).bfloat16(), B, E)
+    with pytest.raises(TypeError, match="topk_ids must have an integer dtype.*bfloat16"):
+        OPS.moe_align_block_size(torch.from_numpy(ids).bfloat16(), B, E)
+    with pytest.raises(TypeError, match="token_lora_mapping must be int32.*bfloat16"):
+        mla.moe_lora_align_block_size(torch.from_numpy(ids),
+                                      torch.from_numpy(mapping).bfloat16(), B, E, L)
