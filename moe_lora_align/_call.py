@@ -216,6 +216,8 @@ def check_pair_disjoint(base: Call, lora: Call) -> None:
         for n, buf, entries in zip(BASE_OUTS, (j.sorted_ids, j.expert_ids, j.num_post_pad),
                                    (j.rows * j.sorted_pitch, j.rows * j.expert_pitch, j.rows)):
             spans[f"{arg} {n}"] = (buf, entries)
+    if not spans:
+        return
     j = lora.job
     _checks.check_disjoint(spans, {"token_lora_mapping": j.token_slot, "lora_ids": j.lora_ids,
                                    "adapter_enabled": j.adapter_enabled})

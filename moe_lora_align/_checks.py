@@ -1,8 +1,8 @@
 """Argument checks of the contract, raised before any launch.
 
 Shape, dtype and device checks read metadata only (no device sync), so they also hold inside a
-CUDA graph capture. Value checks read the data: always on host arrays, on device arrays only when
-the caller asks (they cost a sync).
+CUDA graph capture. Value checks read the data: on host arrays unless the caller says
+``validate=False``, on device arrays only when the caller asks (they cost a sync).
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ def check_output(name: str, x, rows: int, length: int):
     """Validate one output buffer (``name``: how the error names it, e.g. "out expert_ids");
     return its row pitch (elements between rows)."""
     if np.dtype(x.dtype) != INT32:
-        raise TypeError(f"{name} must be int32, got {np.dtype(x.dtype)}")
+        raise dtype_error(name, np.dtype(x.dtype))
     if not x.flags.c_contiguous:
         raise ValueError(f"{name} must be C-contiguous")
     if not getattr(x.flags, "writeable", True):

@@ -33,7 +33,8 @@ def moe_align_block_size(topk_ids: Array, num_experts: int, block_size: int,
     _align(topk_ids, block_size, num_experts, pad_sorted_ids=bool(pad_sorted_token_ids),
            out=(sorted_token_ids, experts_ids, num_tokens_post_pad))
     if pad_sorted_token_ids:
-        numel = int(np.prod(np.shape(topk_ids)))  # (a list's too: the call above took it)
+        tokens, topk = np.shape(topk_ids)  # (a list's too: the call above took it as 2-D)
+        numel = int(tokens) * int(topk)
         P, _ = buffer_sizes(numel, num_experts, block_size, True)
         tail = sorted_token_ids[P:]
         if int(tail.shape[0]):

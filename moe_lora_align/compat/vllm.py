@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-import numpy as np
-
 from .. import _checks
 from .._sizes import MAX_BUCKETS
 from ..api import moe_align_block_size as _align
@@ -59,7 +57,7 @@ def _rows(name: str, flat: Array, rows: int, length: int) -> Array:
     if shape is None:
         raise TypeError(f"{name} must be a flat int32 array, got {type(flat).__name__}")
     need = rows * length
-    if len(shape) != 1 or int(np.prod(shape)) < need:
+    if len(shape) != 1 or int(shape[0]) < need:
         raise ValueError(f"{name} must be a flat array of at least max_loras * its row length "
                          f"= {rows} * {length} = {need} entries, got shape {tuple(shape)}")
     return flat[:need].reshape(rows, length)
