@@ -355,6 +355,10 @@ class Prepared:
         self.fixed = fixed            # AlignPlan: (its output pointers, its result views)
         self.framework_device = framework_device
         self.answer = None            # AlignPlan: its result tuples, the same every call
+        # torch tensors written in place (out= or a plan's views): their version counters go
+        # up after each launch, as a torch op's would.
+        self.bump = (_interop.torch_bumper()
+                     if kind == "torch" and out_layout is None else None)
         self.held = ()                # the recorded launches: what their parameters point into
         # The pointers the packed arguments hold now (with out= given: found free of
         # overlaps); a call with the same pointers packs nothing.
@@ -395,6 +399,8 @@ class Prepared:
                 first, second = self.launches
                 self.sides.run_raw(stream_ptr, lambda st: replay_launches(first, st),
                                    lambda st: replay_launches(second, st))
+        if self.bump is not None:
+            self.bump(outs)
         return outs
 
     def _check_disjoint(self, ptrs):
@@ -774,8 +780,10 @@ def align(op, topk_ids, token_lora_mapping, block_size, num_experts, max_loras, 
     if calls[0].where == _interop.HOST:
         for c in calls:
             run_on_host(c.job)
+        _interop.torch_written([x for given in outs if given is not None for x in given])
         return typed(_answers(calls))
     launched = launch_calls(calls, streams, variant, stream, policy=policy)
+    _interop.torch_written([x for given in outs if given is not None for x in given])
     if validate is not True:
         _note_kinds(*inputs, *(outs[0] or ()), *(outs[1] or ()))
         fast = _fast_key(opts, inputs, outs, stream)

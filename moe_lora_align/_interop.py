@@ -11,6 +11,7 @@ arrays), on the host ``__dlpack__`` or ``__array__`` (answered as NumPy arrays).
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import numpy as np
 
@@ -33,6 +34,9 @@ def framework_of(x) -> str:
         return "jax" if mod == "jaxlib" else mod
     if isinstance(x, (list, tuple, int)):
         return "numpy"
+    torch = sys.modules.get("torch")  # a subclass defined outside torch is still a tensor
+    if torch is not None and isinstance(x, torch.Tensor):
+        return "torch"
     if hasattr(x, "__cuda_array_interface__"):
         return "cuda_array_interface"
     if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
@@ -162,6 +166,37 @@ def from_native(x, framework: str):
     import jax.numpy as jnp
 
     return jnp.from_dlpack(x) if not isinstance(x, np.ndarray) else jnp.asarray(x)
+
+
+def torch_bumper():
+    """A function that takes a tuple of torch tensors written in place and raises their
+    version counters, as torch's own in-place ops do: autograd then refuses a backward that
+    would read a saved tensor this call overwrote. Tensors made in inference mode have no
+    counter and are left alone, as torch's custom ops leave them."""
+    bump = _BUMPER.get("torch")
+    if bump is None:
+        import torch
+
+        bump = torch._C._increment_version
+        try:
+            bump(())  # releases that take a sequence of tensors: one call for all
+        except TypeError:
+            one = bump
+            bump = lambda tensors: [one(t) for t in tensors]  # noqa: E731
+        _BUMPER["torch"] = bump
+    return bump
+
+
+_BUMPER: dict = {}
+
+
+def torch_written(arrays) -> None:
+    """Raise the version counters of the torch tensors among ``arrays`` (``torch_bumper``)."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        tensors = tuple(x for x in arrays if isinstance(x, torch.Tensor))
+        if tensors:
+            torch_bumper()(tensors)
 
 
 @contextlib.contextmanager

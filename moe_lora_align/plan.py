@@ -228,6 +228,7 @@ class AlignPlan:
                 launched = _call.launch_calls(calls, streams, self.variant, stream,
                                               workspaces=(self._base_ws, self._lora_ws),
                                               sides=self._sides, policy=self.policy)
+        _interop.torch_written(answered)
         _call._note_kinds(*inputs)
         found = _call.properties(inputs)
         if found is not None:

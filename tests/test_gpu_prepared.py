@@ -378,6 +378,34 @@ def test_torch_contiguity_and_layout_changes_get_their_own_answers():
                     want.expert_ids[processed])
 
 
+def test_torch_versions_rise_on_every_path(monkeypatch):
+    """Tensors written in place get a new version on the full path, the prepared path (the
+    second call, counted) and a plan's calls; allocating calls' new outputs are left alone."""
+    torch = pytest.importorskip("torch")
+    hits = _prepared_hits(monkeypatch)
+    ids = _routing(4)
+    t = torch.from_numpy(ids).cuda()
+    P, M = mla.buffer_sizes(ids.size, E, B)
+    out = tuple(torch.full((n,), POISON, dtype=torch.int32, device="cuda") for n in (P, M, 1))
+    for call in range(3):
+        before = [x._version for x in out]
+        mla.moe_align_block_size(t, B, E, out=out)
+        assert all(x._version > v for x, v in zip(out, before)), call
+    assert len(hits) == 2
+    torch.cuda.synchronize()
+    _check_base(out, ids)
+    plan = mla.AlignPlan(64, K, E, B)
+    got = plan(t)
+    for call in range(2):
+        before = [x._version for x in got]
+        again = plan(t)
+        assert all(x._version > v for x, v in zip(again, before)), call
+    assert len(hits) == 4
+    assert [x._version for x in mla.moe_align_block_size(t, B, E)] == [0, 0, 0]
+    torch.cuda.synchronize()
+    _check_base(again, ids)
+
+
 def test_torch_graph_capture_with_out():
     torch = pytest.importorskip("torch")
     ids = _routing(3)

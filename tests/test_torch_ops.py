@@ -101,3 +101,89 @@ def test_dtypes_numpy_lacks_are_named():
     with pytest.raises(TypeError, match="token_lora_mapping must be int32.*bfloat16"):
         mla.moe_lora_align_block_size(torch.from_numpy(ids),
                                       torch.from_numpy(mapping).bfloat16(), B, E, L)
+
+
+# ---- torch's bookkeeping of tensors written in place ----------------------------------------
+def _outs(P, M, rows=None):
+    shapes = [(P,), (M,), (1,)] if rows is None else [(rows, P), (rows, M), (rows,)]
+    return tuple(torch.full(s, -7, dtype=torch.int32) for s in shapes)
+
+
+def _pair_outs():
+    P, M = mla.buffer_sizes(T * K, E, B)
+    return _outs(P, M), _outs(P, M, L)
+
+
+@pytest.mark.parametrize("op", ["base", "lora", "pair", "vllm", "vllm lora", "sglang"])
+def test_out_tensors_have_their_version_raised(op):
+    """Every tensor a call writes in place gets a new version, as after a torch op: autograd
+    reads the counter to refuse a backward through a saved tensor that was overwritten."""
+    ids, mapping, lora_ids, enabled = (torch.from_numpy(a) for a in _inputs(3))
+    (base, lora), P, M = _pair_outs(), *mla.buffer_sizes(T * K, E, B)
+    if op == "base":
+        written, run = base, lambda: mla.moe_align_block_size(ids, B, E, out=base)
+    elif op == "lora":
+        written, run = lora, lambda: mla.moe_lora_align_block_size(
+            ids, mapping, B, E, L, lora_ids=lora_ids, adapter_enabled=enabled, out=lora)
+    elif op == "pair":
+        written, run = base + lora, lambda: mla.align_moe_and_lora(
+            ids, mapping, B, E, L, lora_ids=lora_ids, adapter_enabled=enabled,
+            out_base=base, out_lora=lora)
+    elif op == "vllm":
+        written, run = base, lambda: mla.compat.vllm.moe_align_block_size(ids, E, B, *base)
+    elif op == "vllm lora":
+        flat = (torch.zeros(L * P, dtype=torch.int32), torch.zeros(L * M, dtype=torch.int32),
+                torch.zeros(L, dtype=torch.int32))
+        ids_l = torch.tensor([-1, 0, 1, 2, 2], dtype=torch.int32)[:L + 1]
+        on = torch.ones(L + 1, dtype=torch.int32)
+        written, run = flat, lambda: mla.compat.vllm.moe_lora_align_block_size(
+            ids, mapping, E, B, L, P, M, *flat, on, ids_l)
+    else:
+        written = _outs(P, M)
+        run = lambda: mla.compat.sglang.moe_align_block_size(  # noqa: E731
+            ids, E, B, *written, torch.zeros(E + 2, dtype=torch.int32))
+    before = [t._version for t in written]
+    run()
+    assert all(t._version > v for t, v in zip(written, before))
+    assert ids._version == 0 and mapping._version == 0  # inputs are read, not written
+
+
+def test_backward_through_an_overwritten_index_is_refused():
+    """The reason for the versions: a gather saved its index, the alignment then rewrote
+    that index, and backward would have scattered the gradient to the wrong rows."""
+    ids, *_ = _inputs(4)
+    out = _outs(*mla.buffer_sizes(T * K, E, B))
+    mla.moe_align_block_size(torch.from_numpy(ids), B, E, out=out)
+    x = torch.randn(T * K + 1, 2, requires_grad=True)
+    picked = x.index_select(0, out[0])
+    mla.moe_align_block_size(torch.from_numpy(_inputs(5)[0]), B, E, out=out)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        picked.sum().backward()
+
+
+def test_inference_tensors_are_written_as_the_custom_ops_write_them():
+    """Outputs made under ``torch.inference_mode`` have no version counter. torch's custom
+    ops write them outside inference mode too, and so do the public functions."""
+    ids, *_ = _inputs(6)
+    P, M = mla.buffer_sizes(T * K, E, B)
+    with torch.inference_mode():
+        out = _outs(P, M)
+    mla.moe_align_block_size(torch.from_numpy(ids), B, E, out=out)
+    want = mla.moe_align_block_size(ids, B, E)
+    np.testing.assert_array_equal(out[0].numpy(), want.sorted_token_ids)
+    OPS.vllm_moe_align_block_size(torch.from_numpy(ids), E, B, *out)  # the op agrees
+
+
+class _Tagged(torch.Tensor):
+    """A tensor subclass defined outside torch (its module is this test's)."""
+
+
+def test_a_tensor_subclass_is_answered_in_torch():
+    ids, mapping, _, _ = _inputs(7)
+    got = mla.moe_align_block_size(torch.from_numpy(ids).as_subclass(_Tagged), B, E)
+    assert all(isinstance(x, torch.Tensor) for x in got)
+    np.testing.assert_array_equal(got.sorted_token_ids.numpy(),
+                                  mla.moe_align_block_size(ids, B, E).sorted_token_ids)
+    got = mla.moe_lora_align_block_size(torch.from_numpy(ids).as_subclass(_Tagged),
+                                        torch.from_numpy(mapping), B, E, L)
+    assert all(isinstance(x, torch.Tensor) for x in got)
