@@ -28,7 +28,9 @@ STEPS="$*"
 
 step versions
 { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
-  python3 -c "import sys, cupy, numpy; print(sys.version); print('cupy', cupy.__version__, 'numpy', numpy.__version__, 'cuda runtime', cupy.cuda.runtime.runtimeGetVersion())"
+  python3 -c "import sys, cupy, numpy; print(sys.version); print('cupy', cupy.__version__, 'numpy', numpy.__version__, 'cuda runtime', cupy.cuda.runtime.runtimeGetVersion(), 'nvrtc', cupy.cuda.nvrtc.getVersion())"
+  # NVRTC's build decides register allocation (spills) and CuPy's kernel-cache key
+  python3 -m pip list 2>/dev/null | grep -i -E "^(nvidia-cuda-nvrtc|cuda-toolkit|torch|jax) " || true
   echo "commit: $(cat COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null)"
   echo "steps: $STEPS"
 } 2>&1 | tee "$OUT/versions.txt"
