@@ -611,7 +611,7 @@ def keep(cache: dict, key, prep) -> None:
         cache[key] = prep
 
 
-_fast = {}  # CuPy's getDevice and get_current_stream, looked up once a device call is seen
+_fast: dict = {}  # CuPy's getDevice and get_current_stream, looked up once a device call is seen
 
 
 def _note_allocators(kind: str) -> None:

@@ -97,7 +97,7 @@ def source() -> str:
 def kernel_names(dtype) -> dict:
     """Name expression of every kernel instantiation for one topk_ids dtype."""
     t = CTYPES[np.dtype(dtype)]
-    names = {}
+    names: dict = {}
     for det in (False, True):
         d = "true" if det else "false"
         names[("single", det)] = f"align_single<{t}, {d}>"

@@ -11,7 +11,7 @@ import functools
 import struct
 import threading
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple, Tuple
 
 import numpy as np
 
@@ -112,7 +112,7 @@ class Workspace:
 @dataclass
 class Job:
     """One alignment problem on device arrays (CuPy), ready to be packed for the kernels."""
-    topk_ids: object
+    topk_ids: Any
     numel: int
     topk: int
     num_experts: int
@@ -120,23 +120,23 @@ class Job:
     rows: int
     padded_len: int
     num_tiles: int
-    sorted_ids: object
-    expert_ids: object
-    num_post_pad: object
+    sorted_ids: Any
+    expert_ids: Any
+    num_post_pad: Any
     sorted_pitch: int
     expert_pitch: int
     map_mode: int = MAP_NONE
-    expert_map: object = None
-    token_slot: object = None
-    lora_ids: object = None
-    adapter_enabled: object = None
-    scatter_idx: object = None
+    expert_map: Any = None
+    token_slot: Any = None
+    lora_ids: Any = None
+    adapter_enabled: Any = None
+    scatter_idx: Any = None
     fill_unprocessed: bool = False
     deterministic: bool = False
-    packed: object = None       # the packed kernel argument (uint8 array)
-    params: object = None       # kernel-parameter array for the driver: [address of packed]
+    packed: Any = None       # the packed kernel argument (uint8 array)
+    params: Any = None       # kernel-parameter array for the driver: [address of packed]
     params_addr: int = 0        # its address (ndarray.ctypes costs a microsecond per call)
-    pair_params: object = None  # second job of a pair launch: both params, the pair's array
+    pair_params: Any = None  # second job of a pair launch: both params, the pair's array
 
     @property
     def num_buckets(self) -> int:
@@ -315,7 +315,7 @@ def out_entries(job: Job) -> int:
     return job.rows * (job.padded_len + job.num_tiles)
 
 
-def workspace_needs(launch: _dispatch.Launch, num_buckets: int):
+def workspace_needs(launch: _dispatch.Launch, num_buckets: int) -> Tuple[int, int]:
     if launch.kind == "cluster":
         return 1, 0  # align_cluster keeps nothing in global scratch
     # Per-chunk offsets of every bucket: deterministic and shared multi-block modes.

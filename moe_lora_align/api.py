@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Literal, NamedTuple, Optional, Protocol, Sequence, Tuple, Union
 
 from . import _call
 from ._dispatch import AlignPolicy
-
-try:
-    from typing import Literal, Protocol
-except ImportError:  # pragma: no cover - Python < 3.8
-    from typing_extensions import Literal, Protocol
 
 
 class Array(Protocol):
@@ -27,45 +22,7 @@ Variant = Optional[Literal["shared", "global", "cooperative", "cluster"]]
 Streams = Optional[Literal["fused", "one", "two"]]
 
 
-class Alignment(NamedTuple):
-    """Base alignment: ``sorted_token_ids[P]``, ``expert_ids[M]``, ``num_tokens_post_pad[1]``."""
-    sorted_token_ids: Array
-    expert_ids: Array
-    num_tokens_post_pad: Array
-
-
-class AlignmentWithScatter(NamedTuple):
-    """Base alignment plus ``scatter_idx[numel]`` (``i`` for a kept route ``i``, else -1)."""
-    sorted_token_ids: Array
-    expert_ids: Array
-    num_tokens_post_pad: Array
-    scatter_idx: Array
-
-
-class LoraAlignment(NamedTuple):
-    """LoRA alignment: ``[max_loras, P]``, ``[max_loras, M]``, ``[max_loras]``, all int32."""
-    sorted_token_ids: Array
-    expert_ids: Array
-    num_tokens_post_pad: Array
-
-
-# The result types made straight from a sequence (``tuple.__new__``): the named tuples' own
-# constructor is a Python function, a few tenths of a microsecond of every eager call.
-_new = tuple.__new__
-
-
-def _base_result(outputs) -> Union[Alignment, AlignmentWithScatter]:
-    return _new(Alignment if len(outputs) == 3 else AlignmentWithScatter, outputs)
-
-
-def _lora_result(outputs) -> LoraAlignment:
-    return _new(LoraAlignment, outputs)
-
-
-def _pair_result(outputs) -> Tuple[Alignment, LoraAlignment]:
-    return _new(Alignment, outputs[:3]), _new(LoraAlignment, outputs[3:])
-
-
+# Every result type prints its own summary and shows as a table in notebooks.
 def _summary(self) -> str:
     """Routes, tiles, experts and padding, in a line (copies the arrays to the host)."""
     from . import viz
@@ -79,10 +36,65 @@ def _repr_html(self) -> str:
     return viz.html(self)
 
 
-# Every result type prints its own summary and shows as a table in notebooks.
-for _result in (Alignment, AlignmentWithScatter, LoraAlignment):
-    _result.summary = _summary
-    _result._repr_html_ = _repr_html
+class Alignment(NamedTuple):
+    """Base alignment: ``sorted_token_ids[P]``, ``expert_ids[M]``, ``num_tokens_post_pad[1]``."""
+    sorted_token_ids: Array
+    expert_ids: Array
+    num_tokens_post_pad: Array
+
+    def summary(self) -> str:
+        return _summary(self)
+
+    def _repr_html_(self) -> str:
+        return _repr_html(self)
+
+
+class AlignmentWithScatter(NamedTuple):
+    """Base alignment plus ``scatter_idx[numel]`` (``i`` for a kept route ``i``, else -1)."""
+    sorted_token_ids: Array
+    expert_ids: Array
+    num_tokens_post_pad: Array
+    scatter_idx: Array
+
+    def summary(self) -> str:
+        return _summary(self)
+
+    def _repr_html_(self) -> str:
+        return _repr_html(self)
+
+
+class LoraAlignment(NamedTuple):
+    """LoRA alignment: ``[max_loras, P]``, ``[max_loras, M]``, ``[max_loras]``, all int32."""
+    sorted_token_ids: Array
+    expert_ids: Array
+    num_tokens_post_pad: Array
+
+    def summary(self) -> str:
+        return _summary(self)
+
+    def _repr_html_(self) -> str:
+        return _repr_html(self)
+
+
+for _shown in (Alignment, AlignmentWithScatter, LoraAlignment):
+    _shown.summary.__doc__ = _summary.__doc__
+
+# The result types made straight from a sequence (``tuple.__new__``): the named tuples' own
+# constructor is a Python function, a few tenths of a microsecond of every eager call.
+_new = tuple.__new__
+
+
+def _base_result(outputs) -> Union[Alignment, AlignmentWithScatter]:
+    return _new(Alignment if len(outputs) == 3 else AlignmentWithScatter,  # type: ignore
+                outputs)
+
+
+def _lora_result(outputs) -> LoraAlignment:
+    return _new(LoraAlignment, outputs)
+
+
+def _pair_result(outputs) -> Tuple[Alignment, LoraAlignment]:
+    return _new(Alignment, outputs[:3]), _new(LoraAlignment, outputs[3:])
 
 
 # ---- public API ---------------------------------------------------------------------------

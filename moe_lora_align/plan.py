@@ -127,8 +127,8 @@ class AlignPlan:
             self._base_out = (cupy.empty(self.max_padded, np.int32),
                               cupy.empty(self.max_tiles, np.int32), cupy.empty(1, np.int32))
             self._base_ws = Workspace(self.device_id)
-            self._view_cache = {}
-            self._prepared = {}
+            self._view_cache: dict = {}
+            self._prepared: dict = {}
             if self.max_loras is not None:
                 self._lora_out = (cupy.empty(rows * self.max_padded, np.int32),
                                   cupy.empty(rows * self.max_tiles, np.int32),
