@@ -20,9 +20,12 @@ import sys
 import time
 from pathlib import Path
 
+import itertools
+
 import numpy as np
 
 import moe_lora_align as mla
+from moe_lora_align import _call
 from moe_lora_align.testing import canonical, segment_starts
 
 ANCHORS = Path(__file__).with_name("data") / "anchors_h200.json"
@@ -129,7 +132,12 @@ def eager_interleaved(fns, stream, contexts, calls=100, reps=9):
             {n: statistics.median(v) for n, v in host.items()})
 
 
-EAGER_PATHS = ("plan", "cupy_out", "cupy_alloc", "torch_out", "torch_alloc")
+EAGER_PATHS = ("plan", "cupy_out", "cupy_alloc", "torch_out", "torch_alloc", "cupy_new",
+               "torch_new")
+# The "_new" paths: allocating calls whose topk_ids has a different number of tokens each
+# time (T, T + 1, ... in turn), more shapes than the prepared calls keep, so every call takes
+# the full path, as eager prefill with a batch size that changes every step does.
+NEW_SHAPES = _call.CACHE_SIZE + 44
 
 
 def public_call(op, x, B, E, L, outs=None):
@@ -191,9 +199,13 @@ def eager_paths(op, ids, d, T, K, E, B, L, stream, check):
             lambda n, v: torch.full((n,), v, dtype=torch.int32, device=td[0].device)))
         fns["torch_alloc"] = public(td, None)
         ts = torch.cuda.ExternalStream(stream.ptr)
-        contexts = {k: (lambda: torch.cuda.stream(ts)) for k in ("torch_out", "torch_alloc")}
+        contexts = {k: (lambda: torch.cuda.stream(ts))
+                    for k in ("torch_out", "torch_alloc", "torch_new")}
+    new_shapes = each_call_a_new_shape(op, T, K, E, B, L, fns, torch)
     cupy.cuda.Device().synchronize()  # the out= fills (default streams) before any call
     for name, fn in fns.items():
+        if name in new_shapes:
+            continue  # checked in each_call_a_new_shape
         ctx = contexts.get(name, lambda: None)
         with stream:
             c = ctx()
@@ -208,6 +220,46 @@ def eager_paths(op, ids, d, T, K, E, B, L, stream, check):
         except AssertionError as e:
             raise AssertionError(f"{op} T={T} E={E} L={L}, {name}: {e}") from None
     return lambda: eager_interleaved(fns, stream, contexts)
+
+
+def each_call_a_new_shape(op, T, K, E, B, L, fns, torch):
+    """Add the "_new" paths to ``fns`` (CuPy, and torch when given), each call of them with
+    the next of NEW_SHAPES token counts from T up, cycling; the first call of each is
+    checked against the NumPy backend here. Returns their names."""
+    import cupy
+
+    rng = np.random.default_rng(T + 7)
+    most = T + NEW_SHAPES - 1
+    ids = routing(rng, most, K, E, "uniform")
+    mapping, lora_ids, enabled = lora_inputs(rng, most, L or 1)
+    host = (ids, mapping, lora_ids, enabled)
+    frameworks = {"cupy_new": cupy.asarray}
+    if torch is not None:
+        frameworks["torch_new"] = lambda a: torch.from_dlpack(cupy.asarray(a))
+    for name, convert in frameworks.items():
+        full = [convert(a) for a in host]
+        calls = [public_call(op, (full[0][:t], full[1][:t], full[2], full[3]), B, E, L)
+                 for t in range(T, most + 1)]
+        res = calls[0]()
+        cupy.cuda.Device().synchronize()
+        _check_call(op, res, ids[:T], mapping[:T], lora_ids, E, B, L)
+        turn = itertools.cycle(calls)
+        fns[name] = lambda turn=turn: next(turn)()
+    return tuple(frameworks)
+
+
+def _check_call(op, res, ids, mapping, lora_ids, E, B, L):
+    """One public call's result against the NumPy backend (LoRA: every slot listed)."""
+    if op == "base":
+        check_against_numpy(res, mla.moe_align_block_size(ids, B, E), lambda: _starts(ids, E, B))
+        return
+    lora = res if op == "lora" else res[1]
+    check_against_numpy(lora, mla.moe_lora_align_block_size(ids, mapping, B, E, L,
+                                                            lora_ids=lora_ids),
+                        lambda: _starts(ids, E, B, L, mapping))
+    if op == "pair":
+        check_against_numpy(res[0], mla.moe_align_block_size(ids, B, E),
+                            lambda: _starts(ids, E, B))
 
 
 def keep_best(result, gpu, host):
@@ -561,7 +613,9 @@ def eager_table(results):
                  f"100 calls, medians; each cell the best of {EAGER_PASSES} such passes (the "
                  "first with its row, the others after every row; every pass is in the JSON). "
                  "plan: an AlignPlan; cupy_/torch_: the public function with CuPy arrays / "
-                 "torch tensors, out= given or allocating; pair rows: align_moe_and_lora.")
+                 "torch tensors, out= given or allocating; _new: allocating, each call with a "
+                 "token count the prepared calls do not hold (the full path); pair rows: "
+                 "align_moe_and_lora.")
     checked, misses = eager_target_misses(results)
     if checked:
         lines.append(f"eager targets (issue 15; bench.EAGER_TARGETS): {checked - len(misses)} "

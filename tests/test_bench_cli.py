@@ -74,3 +74,30 @@ def test_eager_cells_keep_the_best_pass_and_every_pass_is_kept():
     pair = {"op": "pair", "eager": {"plan": 9.0}, "host": {"plan": 9.0}}
     bench.keep_best(pair, {"plan": 8.5}, {"plan": 8.4})
     assert pair["auto_eager_us"] == 8.5
+
+
+@pytest.mark.parametrize("op", ["base", "lora", "pair"])
+def test_new_shape_paths_take_a_new_token_count_each_call(op, monkeypatch):
+    """The eager table's "_new" paths: every call a token count the calls before it did not
+    have (more than the prepared calls keep), checked against NumPy first. Run here with NumPy
+    arrays in CuPy's place (the host backend)."""
+    import sys
+    import types
+
+    import numpy as np
+
+    fake = types.ModuleType("cupy")
+    fake.asarray = np.asarray
+    fake.cuda = types.SimpleNamespace(Device=lambda: types.SimpleNamespace(
+        synchronize=lambda: None))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    fns = {}
+    assert bench.each_call_a_new_shape(op, 3, 2, 8, 4, 2, fns, None) == ("cupy_new",)
+    lengths = []
+    for _ in range(bench.NEW_SHAPES + 2):
+        got = fns["cupy_new"]()
+        sorted_ids = (got[0] if op == "pair" else got).sorted_token_ids
+        lengths.append(sorted_ids.shape[-1])
+    numels = [3 * 2 + n * 2 for n in range(bench.NEW_SHAPES)]
+    assert lengths == [mla.buffer_sizes(n, 8, 4)[0] for n in numels + numels[:2]]
+    assert bench.NEW_SHAPES > mla._call.CACHE_SIZE
