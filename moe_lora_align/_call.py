@@ -611,7 +611,7 @@ def keep(cache: dict, key, prep) -> None:
         cache[key] = prep
 
 
-_fast: dict = {}  # CuPy's getDevice and get_current_stream, looked up once a device call is seen
+_fast: dict = {}  # CuPy's getDevice, get_current_stream, ...: read at the first device call
 
 
 def _note_allocators(kind: str) -> None:

@@ -133,10 +133,10 @@ class Job:
     scatter_idx: Any = None
     fill_unprocessed: bool = False
     deterministic: bool = False
-    packed: Any = None       # the packed kernel argument (uint8 array)
-    params: Any = None       # kernel-parameter array for the driver: [address of packed]
-    params_addr: int = 0        # its address (ndarray.ctypes costs a microsecond per call)
-    pair_params: Any = None  # second job of a pair launch: both params, the pair's array
+    packed: Any = None        # the packed kernel argument (uint8 array)
+    params: Any = None        # kernel-parameter array for the driver: [address of packed]
+    params_addr: int = 0      # its address (ndarray.ctypes costs a microsecond per call)
+    pair_params: Any = None   # second job of a pair launch: both params, the pair's array
 
     @property
     def num_buckets(self) -> int:
