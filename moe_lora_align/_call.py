@@ -13,6 +13,7 @@ get an earlier call's outputs back once nothing else holds them (``Spare``).
 from __future__ import annotations
 
 import contextlib
+import math
 import operator
 import sys
 import threading
@@ -148,7 +149,7 @@ def prepare(topk_ids, block_size, num_experts, *, rows, token_lora_mapping=None,
     if outs is None:
         shapes = [(rows, P), (rows, M), (rows,)] if lora else [(P,), (M,), (1,)]
         shapes += [(numel,)] if scatter else []
-        nbytes = 4 * sum(int(np.prod(sh)) for sh in shapes)
+        nbytes = 4 * sum(math.prod(sh) for sh in shapes)  # Python ints: no overflow
         _checks.check_memory(nbytes, _available_memory(where, device_id),
                              "GPU" if where == _interop.DEVICE else "host")
     else:
