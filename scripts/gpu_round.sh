@@ -16,12 +16,19 @@
 #              of an earlier commit's kernels/, copied in as an untracked folder; the device
 #              has no .git) and stage_probe.py --stamps-only (STAMPS_ONLY); each kernel set
 #              compiles for about 15 s first, so give them minutes (DECODE_S, STAMPS_S)
+#   stamps     stage_probe.py --stamps-only alone (STAMPS_ONLY, STAMPS_S): stamps_only.txt
 # Old spellings: quick = tests memcheck racecheck bench; full = the same with benchfull.
 set -u
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 step() { echo; echo "=== $* ($(date +%T))"; }
+# stage_probe.py's probe build and stamps of the STAMPS_ONLY cases, into the file given.
+stamps() {
+  timeout ${STAMPS_S:-180} python3 scripts/stage_probe.py --stamps-only \
+    --only "${STAMPS_ONLY:-"', 1, "}" --out /tmp/stage-probe 2>&1 | tee "$1" | tail -40
+  echo "stamps rc=${PIPESTATUS[0]}"
+}
 STEPS="$*"
 [ "$STEPS" = quick ] || [ -z "$STEPS" ] && STEPS="tests memcheck racecheck bench"
 [ "$STEPS" = full ] && STEPS="tests memcheck racecheck benchfull"
@@ -98,9 +105,10 @@ for s in $STEPS; do
         ${DECODE_BASELINE:+--baseline "$DECODE_BASELINE"} ${DECODE_CASES:+--cases "$DECODE_CASES"} \
         --json "$OUT/tiny.json" 2>&1 | tee "$OUT/tiny.txt" | tail -30
       echo "tiny_experiment rc=${PIPESTATUS[0]}"
-      timeout ${STAMPS_S:-180} python3 scripts/stage_probe.py --stamps-only \
-        --only "${STAMPS_ONLY:-"', 1, "}" --out /tmp/stage-probe 2>&1 | tee "$OUT/stamps.txt" | tail -40
-      echo "stamps rc=${PIPESTATUS[0]}" ;;
+      stamps "$OUT/stamps.txt" ;;
+    stamps)
+      step "stage stamps"
+      stamps "$OUT/stamps_only.txt" ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac
 done
