@@ -778,14 +778,14 @@ def align(op, topk_ids, token_lora_mapping, block_size, num_experts, max_loras, 
         check_pair_disjoint(*calls)
     for c in calls:
         allocate(c, stream)
-    if calls[0].where == _interop.HOST:
+    on_host = calls[0].where == _interop.HOST
+    if on_host:
         for c in calls:
             run_on_host(c.job)
-        _interop.torch_written([x for given in outs if given is not None for x in given])
-        return typed(_answers(calls))
-    launched = launch_calls(calls, streams, variant, stream, policy=policy)
+    else:
+        launched = launch_calls(calls, streams, variant, stream, policy=policy)
     _interop.torch_written([x for given in outs if given is not None for x in given])
-    if validate is not True:
+    if not on_host and validate is not True:
         _note_kinds(*inputs, *(outs[0] or ()), *(outs[1] or ()))
         fast = _fast_key(opts, inputs, outs, stream)
         if fast is not None:

@@ -11,6 +11,7 @@ arrays), on the host ``__dlpack__`` or ``__array__`` (answered as NumPy arrays).
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 
 import numpy as np
@@ -168,26 +169,20 @@ def from_native(x, framework: str):
     return jnp.from_dlpack(x) if not isinstance(x, np.ndarray) else jnp.asarray(x)
 
 
+@functools.lru_cache(maxsize=None)
 def torch_bumper():
     """A function that takes a tuple of torch tensors written in place and raises their
     version counters, as torch's own in-place ops do: autograd then refuses a backward that
     would read a saved tensor this call overwrote. Tensors made in inference mode have no
     counter and are left alone, as torch's custom ops leave them."""
-    bump = _BUMPER.get("torch")
-    if bump is None:
-        import torch
+    import torch
 
-        bump = torch._C._increment_version
-        try:
-            bump(())  # releases that take a sequence of tensors: one call for all
-        except TypeError:
-            one = bump
-            bump = lambda tensors: [one(t) for t in tensors]  # noqa: E731
-        _BUMPER["torch"] = bump
+    bump = torch._C._increment_version
+    try:
+        bump(())  # releases that take a sequence of tensors: one call for all
+    except TypeError:
+        return lambda tensors: [bump(t) for t in tensors]
     return bump
-
-
-_BUMPER: dict = {}
 
 
 def torch_written(arrays) -> None:
