@@ -667,36 +667,66 @@ def _one_block_counters(launch: Launch, numel: int, num_buckets: int) -> int:
     return 2 * (launch.block // 32) * _even(num_buckets)
 
 
+def launch_kernels(launch, fused: bool = False) -> list:
+    """``(kernel key, grid, block, dynamic shared bytes, cooperative)`` of every kernel that
+    ``launch`` issues, in order. The key names the instance in ``_kernels.kernel_names``;
+    ``fused``: the launch serves base and LoRA (a one-block or cluster ``Launch`` then runs
+    the pair kernel, one block or one cluster a side)."""
+    if isinstance(launch, CooperativePair):
+        return [(("cooperative_pair", launch.modes), launch.grid, BLOCK, launch.smem, True)]
+    det = launch.deterministic
+    if launch.kind == "single":
+        if fused:
+            kernels = [(("tiny_pair" if launch.tiny else "pair", det), 2, launch.block,
+                        launch.smem_single, False)]
+        else:
+            kernels = [(("tiny" if launch.tiny else "single", det), launch.grid, launch.block,
+                        launch.smem_single, False)]
+    elif launch.kind == "cluster":
+        kernels = [(("cluster_pair" if fused else "cluster", det), launch.grid, launch.block,
+                    launch.smem_place, False)]
+    elif launch.kind == "cooperative":
+        kernels = [(("cooperative", coop_mode(launch)), launch.grid, launch.block,
+                    launch.smem_place, True)]
+    else:
+        kernels = [(("count", launch.mode), launch.count_grid, launch.block,
+                    launch.smem_count, False),
+                   (("place", launch.mode), launch.grid, launch.block, launch.smem_place,
+                    False)]
+    if launch.order_grid:  # then align_order sorts every segment
+        kernels.append((("order", False), launch.order_grid, BLOCK, launch.smem_order, False))
+    return kernels
+
+
+def _layout_bytes(kind: str, launch, numel: int, sides) -> int:
+    """Dynamic shared bytes that kernel ``kind`` of ``launch`` lays out (``kernel_demands``)."""
+    if kind == "order":
+        return order_scratch_bytes(numel)
+    if isinstance(launch, CooperativePair):
+        return max(smem_cooperative(nb, r, side.chunk, side.deterministic, numel, side.sorted)
+                   for (nb, r), side in zip(sides, (launch.base, launch.lora)))
+    if launch.kind == "single":
+        return max(smem_one_block(nb, r, _one_block_counters(launch, numel, nb))
+                   for nb, r in sides)
+    if launch.kind == "cluster":
+        return max(smem_cluster(nb, r, launch.deterministic, launch.block) for nb, r in sides)
+    (nb, rows), = sides
+    if kind == "cooperative":
+        return smem_cooperative(nb, rows, launch.chunk, launch.deterministic, numel,
+                                launch.sorted)
+    if kind == "count":
+        return smem_count(launch.mode, nb, rows, launch.range_width)
+    staged = launch.chunk if launch.stage_output else 0
+    return smem_place(launch.mode, nb, rows, range_width=launch.range_width,
+                      starts_in_smem=launch.starts_in_smem, stage_chunk=staged)
+
+
 def kernel_demands(launch, numel: int, sides) -> list:
     """``(kernel, grid, block, dynamic bytes given, dynamic bytes its layout needs)`` of every
     kernel that ``launch`` issues; ``sides`` lists ``(num_buckets, rows)`` of each alignment
     the launch serves (one, or base and LoRA for a fused pair)."""
-    if isinstance(launch, CooperativePair):
-        need = max(smem_cooperative(nb, r, side.chunk, side.deterministic, numel, side.sorted)
-                   for (nb, r), side in zip(sides, (launch.base, launch.lora)))
-        return [("cooperative_pair", launch.grid, BLOCK, launch.smem, need)]
-    if launch.kind == "single":
-        need = max(smem_one_block(nb, r, _one_block_counters(launch, numel, nb))
-                   for nb, r in sides)
-        return [("tiny" if launch.tiny else "single", launch.grid, launch.block,
-                 launch.smem_single, need)]
-    if launch.kind == "cluster":
-        need = max(smem_cluster(nb, r, launch.deterministic, launch.block) for nb, r in sides)
-        return [("cluster" if len(sides) == 1 else "cluster_pair", launch.grid, launch.block,
-                 launch.smem_place, need)]
-    (nb, rows), = sides
-    order = ([("order", launch.order_grid, BLOCK, launch.smem_order,
-               order_scratch_bytes(numel))] if launch.order_grid else [])
-    if launch.kind == "cooperative":
-        return [("cooperative", launch.grid, launch.block, launch.smem_place,
-                 smem_cooperative(nb, rows, launch.chunk, launch.deterministic, numel,
-                                  launch.sorted))]
-    staged = launch.chunk if launch.stage_output else 0
-    return [("count", launch.count_grid, launch.block, launch.smem_count,
-             smem_count(launch.mode, nb, rows, launch.range_width)),
-            ("place", launch.grid, launch.block, launch.smem_place,
-             smem_place(launch.mode, nb, rows, range_width=launch.range_width,
-                        starts_in_smem=launch.starts_in_smem, stage_chunk=staged))] + order
+    return [(kind, grid, block, given, _layout_bytes(kind, launch, numel, sides))
+            for (kind, _), grid, block, given, _ in launch_kernels(launch, len(sides) == 2)]
 
 
 def check_launch(launch, numel: int, sides, limits: DeviceLimits) -> None:

@@ -1,4 +1,4 @@
-"""Kernel sources and the per-device cache of compiled modules and kernel handles.
+"""Kernel sources and the per-device cache of compiled kernels and their handles.
 
 The CUDA sources live in ``kernels/`` at the top of the repository; a wheel carries them as
 ``moe_lora_align/kernels``. The header is inlined before compiling so CuPy's on-disk cache key
@@ -7,7 +7,9 @@ covers every line that is compiled.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
+import os
 import re
 import threading
 from dataclasses import dataclass
@@ -117,18 +119,59 @@ def kernel_names(dtype) -> dict:
 
 
 class KernelSet:
-    """The compiled kernels of one dtype on one device, shared-memory attributes set once."""
+    """The kernels of one dtype on one device. Each compiles as its own NVRTC program (or comes
+    from CuPy's disk cache) and loads on first use, so a first call waits only for the
+    kernels its launch runs. A kernel compiled alone has the same machine code as in one
+    module of all of them (tests/test_compile.py checks)."""
 
     def __init__(self, dtype, device_id: int, smem_optin: int):
+        self.names = kernel_names(dtype)
+        self.device_id = device_id
+        self.smem_optin = smem_optin
+        self.kernels: dict = {}  # key -> loaded RawKernel
+        self.handles: dict = {}  # key -> CUfunction, for the direct launch (launch_kernel)
+        self.modules: dict = {}  # key -> RawModule (scripts/stage_probe.py: probe buffers)
+        self._locks = {key: threading.Lock() for key in self.names}
+
+    def __getitem__(self, key):
+        k = self.kernels.get(key)
+        return k if k is not None else self._load(key)
+
+    def handle(self, key) -> int:
+        """The kernel's CUfunction (loading it first); 0 where CuPy exposes none."""
+        h = self.handles.get(key)
+        if h is None:
+            self._load(key)
+            h = self.handles[key]
+        return h
+
+    def loaded(self, keys) -> bool:
+        return all(key in self.kernels for key in keys)
+
+    def load_all(self, keys=None) -> None:
+        """Load ``keys`` (default: every kernel), compiling the missing ones side by side:
+        NVRTC runs without the GIL."""
+        missing = [key for key in (self.names if keys is None else keys)
+                   if key not in self.kernels]
+        if len(missing) <= 1:
+            for key in missing:
+                self._load(key)
+            return
+        workers = min(len(missing), os.cpu_count() or 1)
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            list(pool.map(self._load, missing))  # re-raises a compile error here
+
+    def _load(self, key):
         import cupy
 
-        self.names = kernel_names(dtype)
-        with cupy.cuda.Device(device_id):
-            module = cupy.RawModule(code=source(), options=_build.options,
-                                    name_expressions=list(self.names.values()))
-            self.module = module  # kept for scripts/stage_probe.py (its probe buffer)
-            self.kernels = {}
-            for key, name in self.names.items():
+        with self._locks[key]:  # one compile per kernel however many threads ask at once
+            k = self.kernels.get(key)
+            if k is not None:
+                return k
+            name = self.names[key]
+            with cupy.cuda.Device(self.device_id):
+                module = cupy.RawModule(code=source(), options=_build.options,
+                                        name_expressions=[name])
                 k = module.get_function(name)
                 # The dispatcher gives a kernel at most smem_optin - SMEM_SLACK dynamic bytes;
                 # the opt-in limit covers static shared memory too.
@@ -136,16 +179,15 @@ class KernelSet:
                     raise RuntimeError(
                         f"{name} has {k.shared_size_bytes} bytes of static shared memory, "
                         f"more than the {SMEM_SLACK} the dispatcher keeps for it")
-                k.max_dynamic_shared_size_bytes = smem_optin - k.shared_size_bytes
-                self.kernels[key] = k
-            # CUfunction handles for the direct driver launch (see _launch.launch_kernel).
+                k.max_dynamic_shared_size_bytes = self.smem_optin - k.shared_size_bytes
             try:
-                self.handles = {key: int(k.kernel.ptr) for key, k in self.kernels.items()}
+                handle = int(k.kernel.ptr)
             except AttributeError:  # a CuPy without RawKernel.kernel: CuPy's own launch
-                self.handles = {}
-
-    def __getitem__(self, key):
-        return self.kernels[key]
+                handle = 0
+            self.modules[key] = module
+            self.handles[key] = handle
+            self.kernels[key] = k  # last: a kernel in here is ready to launch
+            return k
 
 
 _loaded: dict = {}
@@ -153,17 +195,18 @@ _load_lock = threading.Lock()
 
 
 def kernels_for(dtype, device_id: int, smem_optin: int) -> KernelSet:
-    """The kernels of ``dtype`` on ``device_id``: compiled (or read from CuPy's disk cache)
-    and loaded on first use, then reused."""
+    """The kernel set of ``dtype`` on ``device_id`` (its kernels load on first use)."""
     key = (np.dtype(dtype).str, device_id)
     ks = _loaded.get(key)
     if ks is None:
-        with _load_lock:  # one load per (dtype, device) however many threads ask at once
+        with _load_lock:
             ks = _loaded.get(key)
             if ks is None:
                 ks = _loaded[key] = KernelSet(dtype, device_id, smem_optin)
     return ks
 
 
-def kernels_loaded(dtype, device_id: int) -> bool:
-    return (np.dtype(dtype).str, device_id) in _loaded
+def kernels_loaded(dtype, device_id: int, keys) -> bool:
+    """True when every kernel in ``keys`` of ``dtype`` is loaded on ``device_id``."""
+    ks = _loaded.get((np.dtype(dtype).str, device_id))
+    return ks is not None and ks.loaded(keys)

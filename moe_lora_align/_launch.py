@@ -269,7 +269,7 @@ def launch_kernel(ks, key, grid: int, block: int, smem: int, stream, *jobs,
     ``cooperative``: through cuLaunchCooperativeKernel, which guarantees that every block is
     resident at once (the dispatcher picks that kernel only where this launcher exists).
     """
-    launch, fn = _direct_launcher(cooperative), ks.handles.get(key)
+    launch, fn = _direct_launcher(cooperative), ks.handle(key)
     recorded = getattr(_recorder, "launches", None)
     if launch is not None and fn:
         address = _params_address(jobs)
@@ -361,23 +361,8 @@ def launch_one(job: Job, launch: _dispatch.Launch, ws: Workspace, stream, device
     ks = kernels_for(job.topk_ids.dtype, device_id,
                      device_limits(device_id).smem_optin)
     pack(job, launch, ws)
-    if launch.kind == "single":
-        key = ("tiny" if launch.tiny else "single", launch.deterministic)
-        launch_kernel(ks, key, launch.grid, launch.block, launch.smem_single, stream, job)
-    elif launch.kind == "cooperative":
-        launch_kernel(ks, ("cooperative", _dispatch.coop_mode(launch)), launch.grid, launch.block,
-                      launch.smem_place, stream, job, cooperative=True)
-    elif launch.kind == "cluster":
-        launch_kernel(ks, ("cluster", launch.deterministic), launch.grid, launch.block,
-                      launch.smem_place, stream, job)
-    else:
-        launch_kernel(ks, ("count", launch.mode), launch.count_grid, launch.block,
-                      launch.smem_count, stream, job)
-        launch_kernel(ks, ("place", launch.mode), launch.grid, launch.block,
-                      launch.smem_place, stream, job)
-    if launch.order_grid:  # deterministic output: every segment sorted in place
-        launch_kernel(ks, ("order", False), launch.order_grid, _dispatch.BLOCK,
-                      launch.smem_order, stream, job)
+    for key, grid, block, smem, cooperative in _dispatch.launch_kernels(launch):
+        launch_kernel(ks, key, grid, block, smem, stream, job, cooperative=cooperative)
 
 
 def _current(stream):
@@ -401,19 +386,13 @@ def launch_pair(base: Job, lora: Job, launch, ws_base: Workspace, ws_lora: Works
         ws_lora.ensure(*workspace_needs(launch.lora, lora.num_buckets), stream)
         pack(base, launch.base, ws_base)
         pack(lora, launch.lora, ws_lora)
-        launch_kernel(ks, ("cooperative_pair", launch.modes), launch.grid, _dispatch.BLOCK,
-                      launch.smem, stream, base, lora, cooperative=True)
-        return
-    ws_base.ensure(1, 0, stream)
-    ws_lora.ensure(1, 0, stream)
-    pack(base, launch, ws_base)
-    pack(lora, launch, ws_lora)
-    if launch.kind == "cluster":
-        launch_kernel(ks, ("cluster_pair", launch.deterministic), launch.grid, launch.block,
-                      launch.smem_place, stream, base, lora)
-        return
-    key = ("tiny_pair" if launch.tiny else "pair", launch.deterministic)
-    launch_kernel(ks, key, 2, launch.block, launch.smem_single, stream, base, lora)
+    else:
+        ws_base.ensure(1, 0, stream)
+        ws_lora.ensure(1, 0, stream)
+        pack(base, launch, ws_base)
+        pack(lora, launch, ws_lora)
+    (key, grid, block, smem, cooperative), = _dispatch.launch_kernels(launch, fused=True)
+    launch_kernel(ks, key, grid, block, smem, stream, base, lora, cooperative=cooperative)
 
 
 def pair_ready(pair, base: Job, lora: Job, ws_base: Workspace, ws_lora: Workspace,
@@ -426,7 +405,8 @@ def pair_ready(pair, base: Job, lora: Job, ws_base: Workspace, ws_lora: Workspac
         needs = ((1, 0), (1, 0))
     return (all(ws.buckets >= nb and ws.matrix >= nm
                 for ws, (nb, nm) in zip((ws_base, ws_lora), needs))
-            and kernels_loaded(base.topk_ids.dtype, device_id))
+            and kernels_loaded(base.topk_ids.dtype, device_id,
+                               [k[0] for k in _dispatch.launch_kernels(pair, fused=True)]))
 
 
 _workspaces: dict = {}
@@ -455,8 +435,9 @@ def check_capturable(stream, needs_alloc: bool, what: str):
 def _ready(ws: Workspace, launch: _dispatch.Launch, job: Job, device_id: int) -> bool:
     """True when ``launch`` of ``job`` would allocate nothing and load no kernel."""
     nb, nm = workspace_needs(launch, job.num_buckets)
+    keys = [k[0] for k in _dispatch.launch_kernels(launch)]
     return ws.buckets >= nb and ws.matrix >= nm and kernels_loaded(job.topk_ids.dtype,
-                                                                   device_id)
+                                                                   device_id, keys)
 
 
 def run(job: Job, device_id: int, framework: str, *, variant=None, stream=None,

@@ -123,7 +123,8 @@ class AlignPlan:
 
         with cupy.cuda.Device(self.device_id):
             self.limits = device_limits(self.device_id)
-            kernels_for(self.dtype, self.device_id, self.limits.smem_optin)
+            # Every kernel, compiled side by side: a call inside a capture loads none.
+            kernels_for(self.dtype, self.device_id, self.limits.smem_optin).load_all()
             self._base_out = (cupy.empty(self.max_padded, np.int32),
                               cupy.empty(self.max_tiles, np.int32), cupy.empty(1, np.int32))
             self._base_ws = Workspace(self.device_id)

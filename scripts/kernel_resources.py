@@ -18,6 +18,7 @@ def main(argv):
     print(f"{'kernel':44s} {'regs':>5s} {'local B':>8s} {'static smem B':>14s}")
     for dtype in dtypes:
         ks = _kernels.kernels_for(dtype, 0, smem)
+        ks.load_all()  # side by side
         for key, name in ks.names.items():
             k = ks[key]
             print(f"{name:44s} {k.num_regs:5d} {k.local_size_bytes:8d} {k.shared_size_bytes:14d}")

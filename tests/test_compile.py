@@ -1,11 +1,14 @@
-"""Every kernel instantiation compiles with NVRTC for sm_80 and sm_90, without a GPU, unspilled.
+"""Every kernel instantiation compiles with NVRTC for sm_80 and sm_90, without a GPU, unspilled,
+as the package compiles it: alone.
 
 Uses cuda.core's Program (no device needed), the same source text and name expressions the
 package hands to CuPy at run time.
 """
 
+import functools
 import io
 import re
+import struct
 
 import numpy as np
 import pytest
@@ -22,6 +25,7 @@ _PROPS = re.compile(
     r"(\d+) bytes spill loads", re.S)
 
 
+@functools.lru_cache(maxsize=None)
 def _compile(arch, names):
     from cuda.core import Program, ProgramOptions
 
@@ -34,19 +38,70 @@ def _compile(arch, names):
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_every_kernel_compiles_without_spills(arch, dtype):
-    names = _kernels.kernel_names(dtype)
-    obj, log = _compile(arch, names.values())
-    mangled = obj.symbol_mapping if hasattr(obj, "symbol_mapping") else None
-    if mangled is not None:
-        assert set(mangled) == set(names.values())
-    if "ptxas info" not in log:
-        pytest.skip("this cuda.core build returned no ptxas log: spills not checked")
-    props = _PROPS.findall(log)
-    assert len(props) == len(names), log
-    for fn, stack, spill_st, spill_ld in props:
-        assert (int(spill_st), int(spill_ld)) == (0, 0), f"{fn} spills on {arch}:\n{log}"
-        assert int(stack) == 0, f"{fn} uses a {stack}-byte stack frame on {arch}"
+def test_every_kernel_compiles_alone_without_spills(arch, dtype):
+    """Each kernel as the package builds it: an NVRTC program of its own."""
+    for name in _kernels.kernel_names(dtype).values():
+        obj, log = _compile(arch, (name,))
+        mangled = obj.symbol_mapping if hasattr(obj, "symbol_mapping") else None
+        if mangled is not None:
+            assert set(mangled) == {name}
+        if "ptxas info" not in log:
+            pytest.skip("this cuda.core build returned no ptxas log: spills not checked")
+        props = _PROPS.findall(log)
+        assert len(props) == 1, log
+        for fn, stack, spill_st, spill_ld in props:
+            assert (int(spill_st), int(spill_ld)) == (0, 0), f"{fn} spills on {arch}:\n{log}"
+            assert int(stack) == 0, f"{fn} uses a {stack}-byte stack frame on {arch}"
+
+
+def _sections(cubin: bytes) -> dict:
+    """An ELF64 file's sections by name: their bytes (no bytes for NOBITS sections)."""
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    entsize, count, names_index = struct.unpack_from("<HHH", cubin, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * entsize)
+               for i in range(count)]
+    names_at = headers[names_index][4]
+    out = {}
+    for name_off, kind, _, _, offset, size, *_ in headers:
+        start = names_at + name_off
+        name = cubin[start:cubin.index(b"\0", start)].decode()
+        out[name] = b"" if kind == 8 else cubin[offset:offset + size]
+    return out
+
+
+def test_a_kernel_compiled_alone_is_the_same_machine_code():
+    """The package compiles each kernel alone (a first call waits for its own kernels only).
+    Its machine code is byte for byte what one program of every kernel gives; the kernels'
+    attribute sections differ only in symbol numbers."""
+    names = tuple(_kernels.kernel_names(np.int32).values())
+    whole = _sections(bytes(_compile("sm_90", names)[0].code))
+    for name in names:
+        alone = _sections(bytes(_compile("sm_90", (name,))[0].code))
+        texts = [s for s in alone if s.startswith(".text.")]
+        assert len(texts) == 1, (name, texts)
+        assert alone[texts[0]] == whole[texts[0]], f"{name}: other machine code alone"
+        info = ".nv.info." + texts[0][len(".text."):]
+        assert _attributes(alone[info]) == _attributes(whole[info]), name
+
+
+PARAM_CBANK = 0x0A  # its value starts with the symbol number of the parameter bank
+
+
+def _attributes(info: bytes) -> list:
+    """A kernel's .nv.info records as (attribute, value), symbol numbers left out. A record
+    is a four-byte header (form, attribute, a 16-bit value or, form 4, the length of the
+    value that follows)."""
+    out, i = [], 0
+    while i < len(info):
+        form, attr = info[i], info[i + 1]
+        if form == 0x04:  # a length and that many bytes
+            size, = struct.unpack_from("<H", info, i + 2)
+            value, i = info[i + 4:i + 4 + size], i + 4 + size
+        else:  # the value in the header's last two bytes
+            value, i = info[i + 2:i + 4], i + 4
+        out.append((attr, value[4:] if attr == PARAM_CBANK else value))
+    assert i == len(info), "records do not end where the section does"
+    return out
 
 
 def test_source_inlines_its_header():

@@ -411,6 +411,7 @@ def test_device_compiler_leaves_no_kernel_spilled(dtype):
     """tests/test_compile.py's spill check, on the kernels as this machine's NVRTC built
     them (its cuda.core may return no ptxas log): no local memory in any kernel."""
     ks = mla._kernels.kernels_for(dtype, 0, mla._launch.device_limits(0).smem_optin)
+    ks.load_all()
     local = {name: ks[key].local_size_bytes for key, name in ks.names.items()}
     assert not any(local.values()), {n: b for n, b in local.items() if b}
 

@@ -455,3 +455,65 @@ def test_benchmark_paths_check_out(op):
             row["max_loras"] = 4
         r = bench.bench_single(row, "uniform", stream, True)
     assert set(r["eager"]) >= {"plan", "cupy_out", "cupy_alloc"}
+
+
+# ---- kernels load on first use, each alone ------------------------------------------------
+FIRST_CALLS = r"""
+import json
+import cupy, numpy as np
+import moe_lora_align as mla
+from moe_lora_align import _dispatch, _kernels, _launch
+from moe_lora_align.testing import make_routing
+
+def loaded():
+    return sorted(str(k) for ks in _kernels.loaded_sets() for k in ks.kernels)
+
+def kernels_of(numel, E, B):
+    launch = _launch.checked_launch(numel, E, 1, _launch.device_limits(0), False, None,
+                                    sum(mla.buffer_sizes(numel, E, B)))
+    return sorted(str(k) for k, *_ in _dispatch.launch_kernels(launch))
+
+def outputs(ids):
+    return [cupy.empty(n, np.int32) for n in mla.buffer_sizes(ids.size, 64, 16) + (1,)]
+
+rng = np.random.default_rng(0)
+ids = cupy.asarray(make_routing(rng, 3, 4, 64, np.int16))
+mla.moe_align_block_size(ids, 16, 64, out=outputs(ids))
+first = loaded()
+big = make_routing(rng, 4096, 8, 64, np.int16)
+stream = cupy.cuda.Stream(non_blocking=True)
+with stream:
+    # int32 first: the stream's workspace is then large enough, only the int16 kernel is not
+    # loaded, and a capture must not load it.
+    wide = cupy.asarray(big.astype(np.int32))
+    mla.moe_align_block_size(wide, 16, 64, out=outputs(wide), stream=stream)
+    stream.synchronize()
+    big = cupy.asarray(big)
+    out = outputs(big)
+    stream.begin_capture()
+    try:
+        mla.moe_align_block_size(big, 16, 64, out=out, stream=stream)
+        refused = ""
+    except RuntimeError as e:
+        refused = str(e)
+    finally:
+        stream.end_capture()
+mla.AlignPlan(8, 4, 64, 16, max_loras=2, dtype=np.int16)
+int16 = _kernels.kernels_for(np.int16, 0, _launch.device_limits(0).smem_optin)
+print(json.dumps({"first": first, "expected": kernels_of(12, 64, 16), "refused": refused,
+                  "plan_loaded_all": int16.loaded(int16.names)}))
+"""
+
+
+def test_a_first_call_loads_only_its_kernels_and_a_plan_loads_all():
+    import json
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", FIRST_CALLS], capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["first"] == got["expected"]  # a fresh process: only the call's own kernel
+    assert "AlignPlan" in got["refused"]  # a kernel not loaded yet is not loaded in a capture
+    assert got["plan_loaded_all"]  # a plan loads every kernel: its calls may be captured

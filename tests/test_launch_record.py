@@ -26,7 +26,7 @@ def _job(addr):
 
 def test_recorded_launches_replay_on_another_stream(monkeypatch):
     calls = _fake_driver(monkeypatch)
-    ks = SimpleNamespace(handles={("single", False): 111, ("count", 0): 222})
+    ks = SimpleNamespace(handle={("single", False): 111, ("count", 0): 222}.get)
     job = _job(0xABC0)
     with _launch.record_launches() as recorded:
         _launch.launch_kernel(ks, ("single", False), 1, 256, 4096, SimpleNamespace(ptr=7), job)
@@ -42,7 +42,7 @@ def test_recorded_launches_replay_on_another_stream(monkeypatch):
 
 def test_cooperative_launches_replay_through_the_cooperative_launcher(monkeypatch):
     calls = _fake_driver(monkeypatch)
-    ks = SimpleNamespace(handles={("cooperative", 0): 333, ("single", False): 111})
+    ks = SimpleNamespace(handle={("cooperative", 0): 333, ("single", False): 111}.get)
     job = _job(0xDEF0)
     with _launch.record_launches() as recorded:
         _launch.launch_kernel(ks, ("cooperative", 0), 128, 1024, 60000, SimpleNamespace(ptr=7),
@@ -58,7 +58,7 @@ def test_cooperative_launches_replay_through_the_cooperative_launcher(monkeypatc
 
 def test_cooperative_launch_without_the_driver_launcher_is_an_error(monkeypatch):
     monkeypatch.setattr(_launch, "_direct_launcher", lambda cooperative=False: None)
-    ks = SimpleNamespace(handles={})
+    ks = SimpleNamespace(handle={}.get)
     try:
         _launch.launch_kernel(ks, ("cooperative", 0), 1, 1024, 0, SimpleNamespace(ptr=1),
                               _job(16), cooperative=True)
@@ -70,7 +70,7 @@ def test_cooperative_launch_without_the_driver_launcher_is_an_error(monkeypatch)
 
 def test_recording_stops_after_the_block(monkeypatch):
     _fake_driver(monkeypatch)
-    ks = SimpleNamespace(handles={("single", False): 111})
+    ks = SimpleNamespace(handle={("single", False): 111}.get)
     with _launch.record_launches() as recorded:
         pass
     _launch.launch_kernel(ks, ("single", False), 1, 128, 0, SimpleNamespace(ptr=1), _job(16))
