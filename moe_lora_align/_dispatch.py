@@ -670,18 +670,16 @@ def _one_block_counters(launch: Launch, numel: int, num_buckets: int) -> int:
 def launch_kernels(launch, fused: bool = False) -> list:
     """``(kernel key, grid, block, dynamic shared bytes, cooperative)`` of every kernel that
     ``launch`` issues, in order. The key names the instance in ``_kernels.kernel_names``;
-    ``fused``: the launch serves base and LoRA (a one-block or cluster ``Launch`` then runs
-    the pair kernel, one block or one cluster a side)."""
+    ``fused``: the launch serves base and LoRA (a one-block or cluster ``Launch`` from
+    ``choose_pair`` or ``choose_cluster_pair`` then runs the pair kernel, a block or a
+    cluster a side)."""
     if isinstance(launch, CooperativePair):
         return [(("cooperative_pair", launch.modes), launch.grid, BLOCK, launch.smem, True)]
     det = launch.deterministic
     if launch.kind == "single":
-        if fused:
-            kernels = [(("tiny_pair" if launch.tiny else "pair", det), 2, launch.block,
-                        launch.smem_single, False)]
-        else:
-            kernels = [(("tiny" if launch.tiny else "single", det), launch.grid, launch.block,
-                        launch.smem_single, False)]
+        name = ("tiny" if launch.tiny else "single") if not fused else (
+            "tiny_pair" if launch.tiny else "pair")
+        kernels = [((name, det), launch.grid, launch.block, launch.smem_single, False)]
     elif launch.kind == "cluster":
         kernels = [(("cluster_pair" if fused else "cluster", det), launch.grid, launch.block,
                     launch.smem_place, False)]
