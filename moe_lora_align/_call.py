@@ -22,7 +22,7 @@ from weakref import getweakrefcount
 
 import numpy as np
 
-from . import _checks, _interop
+from . import _checks, _interop, _kernels
 from ._dispatch import DEFAULT_POLICY, VARIANTS, AlignPolicy
 from ._launch import (MAP_AFTER, MAP_BEFORE, MAP_NONE, POINTERS, Job, replay_form,
                       replay_launches)
@@ -351,6 +351,7 @@ class Prepared:
         self.launches = launches      # replay_form of its launches; for "two": (first, second)
         self.mode, self.sides = mode, sides
         self.workspaces = workspaces  # ((workspace, generation), ...) the packing used
+        self.build = _kernels.current_build()  # what its recorded kernels were compiled from
         self.out_layout = out_layout  # None (out= given) or the OutLayout to allocate
         self.spans = spans            # bytes of each array, for the overlap check (out= given)
         self.fixed = fixed            # AlignPlan: (its output pointers, its result views)
@@ -370,7 +371,11 @@ class Prepared:
         self.lock = threading.Lock()  # one call at a time rewrites and launches
 
     def current(self) -> bool:
-        """False once a workspace it points into was reallocated."""
+        """False once a workspace it points into was reallocated, or once an experiment
+        switched the kernels' build (``_kernels.use_build``): its launches are the old
+        build's kernels."""
+        if self.build is not _kernels._build:
+            return False
         for ws, gen in self.workspaces:
             if ws.generation != gen:
                 return False

@@ -67,7 +67,9 @@ def current_build() -> KernelBuild:
 
 
 def use_build(build: KernelBuild) -> None:
-    """Compile and load the kernels from ``build`` from now on (the loaded ones are dropped)."""
+    """Compile and load the kernels from ``build`` from now on. The loaded ones are dropped,
+    and prepared calls recorded with another build take the full path again
+    (``_call.Prepared.current``): they would replay that build's kernels."""
     global _build
     with _load_lock:
         _build = build

@@ -16,9 +16,16 @@ from cuda.core import Program, ProgramOptions  # noqa: E402
 
 from moe_lora_align import _kernels  # noqa: E402
 
-for arch in ("sm_80", "sm_90"):
-    for dtype in sorted(_kernels.CTYPES, key=str):
-        names = list(_kernels.kernel_names(dtype).values())
-        program = Program(_kernels.source(), "c++", options=ProgramOptions(arch=arch, std="c++17"))
-        cubin = bytes(program.compile("cubin", name_expressions=names).code)
-        print(arch, dtype, hashlib.sha256(cubin).hexdigest()[:16], flush=True)
+
+def main():
+    for arch in ("sm_80", "sm_90"):
+        for dtype in sorted(_kernels.CTYPES, key=str):
+            names = list(_kernels.kernel_names(dtype).values())
+            program = Program(_kernels.source(), "c++",
+                              options=ProgramOptions(arch=arch, std="c++17"))
+            cubin = bytes(program.compile("cubin", name_expressions=names).code)
+            print(arch, dtype, hashlib.sha256(cubin).hexdigest()[:16], flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -20,11 +20,10 @@ import sys
 from pathlib import Path
 
 import cupy
-import numpy as np
 
 from moe_lora_align import _dispatch, _kernels
 from moe_lora_align.bench import graph_us
-from stage_probe import make_call, probe_buffer, reload_kernels  # same folder
+from stage_probe import make_call, probe_run, reload_kernels  # same folder
 
 CASES = [  # op, T, E, K, B, L
     ("base", 1, 64, 8, 16, None), ("base", 1, 512, 10, 16, None),
@@ -69,14 +68,9 @@ def twice(stream):
         for case in CASES:
             fn = make_call(case, stream)
             us = graph_us(fn, stream)
-            buf = probe_buffer()
             runs = {0: [], 1: []}
             for _ in range(15):
-                buf.fill(0)
-                with stream:
-                    fn()
-                stream.synchronize()
-                b = cupy.asnumpy(buf).astype(np.int64)
+                b = probe_run(fn, stream)
                 for k in (0, 1):
                     blocks = [blk for blk in range(160) if b[k, blk, 0, 0]]
                     for blk in blocks:

@@ -13,18 +13,24 @@ CASES = [("base", 1, 64, 8, 16, None), ("base", 256, 256, 8, 16, None),
          ("lora", 16, 256, 8, 16, 16), ("lora", 256, 256, 8, 16, 16),
          ("base", 65536, 256, 8, 64, None), ("lora", 16384, 256, 8, 64, 16)]
 
-rng = np.random.default_rng(0)
-plans = []
-for op, T, E, K, B, L in CASES:
-    ids = cupy.asarray(np.argsort(rng.random((T, E)), axis=1)[:, :K].astype(np.int32))
-    mapping = cupy.asarray(rng.integers(L or 1, size=T).astype(np.int32))
-    plan = mla.AlignPlan(T, K, E, B, max_loras=L)
-    call = (lambda p=plan, i=ids, m=mapping, lo=L: p(i, m)[1] if lo else p(i))
-    call()
-    plans.append(call)
-cupy.cuda.Device().synchronize()
-cupy.cuda.runtime.profilerStart()
-for call in plans:
-    call()
-cupy.cuda.Device().synchronize()
-cupy.cuda.runtime.profilerStop()
+
+def main():
+    rng = np.random.default_rng(0)
+    plans = []
+    for op, T, E, K, B, L in CASES:
+        ids = cupy.asarray(np.argsort(rng.random((T, E)), axis=1)[:, :K].astype(np.int32))
+        mapping = cupy.asarray(rng.integers(L or 1, size=T).astype(np.int32))
+        plan = mla.AlignPlan(T, K, E, B, max_loras=L)
+        call = (lambda p=plan, i=ids, m=mapping, lo=L: p(i, m)[1] if lo else p(i))
+        call()
+        plans.append(call)
+    cupy.cuda.Device().synchronize()
+    cupy.cuda.runtime.profilerStart()
+    for call in plans:
+        call()
+    cupy.cuda.Device().synchronize()
+    cupy.cuda.runtime.profilerStop()
+
+
+if __name__ == "__main__":
+    main()

@@ -167,11 +167,19 @@ def reload_kernels(options):
     _kernels.use_build(dataclasses.replace(_kernels.current_build(), options=tuple(options)))
 
 
-def probe_buffers():
-    """The probe buffer of every loaded kernel: each kernel is a module of its own, with its
-    own copy of the mla_probe global."""
-    return [cupy.ndarray((SLOTS, 160, 8, 2), np.uint64, module.get_global("mla_probe"))
+def probe_run(fn, stream):
+    """Run ``fn`` once on ``stream`` (its kernels loaded already) with every probe buffer
+    zeroed, and return what the probes hold after it: a [SLOTS, 160, 8, 2] int64 array.
+    Each kernel is a module of its own with its own copy of the mla_probe global; entries a
+    kernel did not write stay 0 in its copy, so the elementwise max merges them."""
+    bufs = [cupy.ndarray((SLOTS, 160, 8, 2), np.uint64, module.get_global("mla_probe"))
             for ks in _kernels.loaded_sets() for module in ks.modules.values()]
+    for buf in bufs:
+        buf.fill(0)
+    with stream:
+        fn()
+    stream.synchronize()
+    return np.maximum.reduce([cupy.asnumpy(buf) for buf in bufs]).astype(np.int64)
 
 
 def stamps(stream):
@@ -182,14 +190,7 @@ def stamps(stream):
         with stream:
             fn()
         stream.synchronize()
-        bufs = probe_buffers()
-        for buf in bufs:
-            buf.fill(0)
-        with stream:
-            fn()
-        stream.synchronize()
-        # Entries that a kernel did not write stay 0 in its copy: the max merges them.
-        b = np.maximum.reduce([cupy.asnumpy(buf) for buf in bufs]).astype(np.int64)
+        b = probe_run(fn, stream)
         raw[str(case)] = b.tolist()
         lines.append(f"{case}")
         t0 = min(b[k, blk, 0, 1] for k in range(SLOTS) for blk in range(160) if b[k, blk, 0, 1])
