@@ -164,32 +164,48 @@ class KernelSet:
             list(pool.map(self._load, missing))  # re-raises a compile error here
 
     def _load(self, key):
-        import cupy
-
         with self._locks[key]:  # one compile per kernel however many threads ask at once
             k = self.kernels.get(key)
             if k is not None:
                 return k
-            name = self.names[key]
-            with cupy.cuda.Device(self.device_id):
-                module = cupy.RawModule(code=source(), options=_build.options,
-                                        name_expressions=[name])
-                k = module.get_function(name)
-                # The dispatcher gives a kernel at most smem_optin - SMEM_SLACK dynamic bytes;
-                # the opt-in limit covers static shared memory too.
-                if k.shared_size_bytes > SMEM_SLACK:
-                    raise RuntimeError(
-                        f"{name} has {k.shared_size_bytes} bytes of static shared memory, "
-                        f"more than the {SMEM_SLACK} the dispatcher keeps for it")
-                k.max_dynamic_shared_size_bytes = self.smem_optin - k.shared_size_bytes
-            try:
-                handle = int(k.kernel.ptr)
-            except AttributeError:  # a CuPy without RawKernel.kernel: CuPy's own launch
-                handle = 0
-            self.modules[key] = module
-            self.handles[key] = handle
-            self.kernels[key] = k  # last: a kernel in here is ready to launch
-            return k
+            if _first_load_done.is_set():
+                return self._compile_and_load(key)
+            with _first_load_lock:
+                k = self._compile_and_load(key)
+                _first_load_done.set()
+                return k
+
+    def _compile_and_load(self, key):
+        import cupy
+
+        name = self.names[key]
+        with cupy.cuda.Device(self.device_id):
+            module = cupy.RawModule(code=source(), options=_build.options,
+                                    name_expressions=[name])
+            k = module.get_function(name)
+            # The dispatcher gives a kernel at most smem_optin - SMEM_SLACK dynamic bytes;
+            # the opt-in limit covers static shared memory too.
+            if k.shared_size_bytes > SMEM_SLACK:
+                raise RuntimeError(
+                    f"{name} has {k.shared_size_bytes} bytes of static shared memory, "
+                    f"more than the {SMEM_SLACK} the dispatcher keeps for it")
+            k.max_dynamic_shared_size_bytes = self.smem_optin - k.shared_size_bytes
+        try:
+            handle = int(k.kernel.ptr)
+        except AttributeError:  # a CuPy without RawKernel.kernel: CuPy's own launch
+            handle = 0
+        self.modules[key] = module
+        self.handles[key] = handle
+        self.kernels[key] = k  # last: a kernel in here is ready to launch
+        return k
+
+
+# NVRTC opens its builtins library during the first compile of a process, and first compiles
+# on several threads at once can fail to open it ("failed to open libnvrtc-builtins", seen
+# with NVRTC 13.0 on this project's CPU host, two runs in three). So the process's first load
+# runs alone, and the others, side by side, after it.
+_first_load_lock = threading.Lock()
+_first_load_done = threading.Event()
 
 
 _loaded: dict = {}

@@ -27,9 +27,10 @@ class FakeKernel:
 class FakeCupy(types.ModuleType):
     """Records every compile: the name expressions of each RawModule and the device it ran on."""
 
-    def __init__(self, static_smem=0, delay=0.0, fail=None):
+    def __init__(self, static_smem=0, delay=0.0, fail=None, fragile_first=False):
         super().__init__("cupy")
         self.compiles = []
+        self.fragile_first, self.running = fragile_first, 0
         self.lock = threading.Lock()
         self.static_smem, self.delay, self.fail = static_smem, delay, fail
         self.current = threading.local()
@@ -47,10 +48,17 @@ class FakeCupy(types.ModuleType):
 
             def get_function(self, name):
                 assert name in self.names
-                time.sleep(fake.delay)
-                if fake.fail and fake.fail in name:
-                    raise RuntimeError(f"NVRTC failed on {name}")
                 with fake.lock:
+                    fake.running += 1
+                    first_ones = not fake.compiles and fake.running > 1
+                time.sleep(fake.delay)
+                with fake.lock:
+                    fake.running -= 1
+                    if fake.fragile_first and (first_ones or not fake.compiles
+                                               and fake.running):
+                        raise RuntimeError("nvrtc: error: failed to open libnvrtc-builtins")
+                    if fake.fail and fake.fail in name:
+                        raise RuntimeError(f"NVRTC failed on {name}")
                     fake.compiles.append((tuple(self.names), getattr(fake.current, "id", None)))
                 return FakeKernel(name, fake.static_smem)
 
@@ -64,6 +72,8 @@ def fake_cupy(monkeypatch):
         fake = FakeCupy(**kw)
         monkeypatch.setitem(sys.modules, "cupy", fake)
         monkeypatch.setattr(_kernels, "_loaded", {})
+        monkeypatch.setattr(_kernels, "_first_load_done", threading.Event())  # a new process
+        monkeypatch.setattr(_kernels.os, "cpu_count", lambda: 4)  # threads on any CI machine
         return fake
     return install
 
@@ -98,6 +108,25 @@ def test_load_all_compiles_each_kernel_once_from_many_threads(fake_cupy):
     compiled = sorted(names[0] for names, _ in cupy.compiles)
     assert compiled == sorted(ks.names.values())  # each once, every one alone
     assert ks.loaded(ks.names)
+
+
+def test_the_first_load_of_a_process_runs_alone(fake_cupy):
+    """Where two first compiles at once fail (NVRTC opening its builtins library), the
+    process's first load runs before the others start."""
+    cupy = fake_cupy(delay=0.02, fragile_first=True)
+    ks = _kernels.kernels_for(np.int32, 0, SMEM_OPTIN)
+    ks.load_all([("count", 0), ("place", 0), ("order", False), ("tiny", False)])
+    assert len(cupy.compiles) == 4
+
+
+def test_the_stand_in_fails_two_first_compiles_at_once(fake_cupy):
+    """The check above has teeth: without the first load alone, the stand-in fails."""
+    cupy = fake_cupy(delay=0.02, fragile_first=True)
+    ks = _kernels.kernels_for(np.int32, 0, SMEM_OPTIN)
+    _kernels._first_load_done.set()  # as if a load had run: nothing holds the others back
+    with pytest.raises(RuntimeError, match="libnvrtc-builtins"):
+        ks.load_all([("count", 0), ("place", 0), ("order", False), ("tiny", False)])
+    assert not cupy.compiles
 
 
 def test_load_all_of_some_keys(fake_cupy):
