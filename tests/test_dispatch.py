@@ -521,10 +521,113 @@ def test_kernel_constants_match_the_cuda_source():
 
     src = _kernels.source()
     defined = dict(re.findall(r"^#define (\w+) (\d+)", src, flags=re.M))
-    for name in ("ITEMS_PER_THREAD", "TINY_ITEMS", "TINY_BUCKETS", "WARP_ROUTES", "COOP_ITEMS",
+    for name in ("ITEMS_PER_THREAD", "TINY_ITEMS", "TINY_BUCKETS", "WARP_ROUTES", "BALLOT_WARPS",
+                 "BALLOT_WORDS",
+                 "BALLOT_BUCKET_BITS", "COOP_ITEMS",
                  "CLUSTER_BLOCKS", "CLUSTER_ITEMS", "ORDER_ITEMS", "ORDER_DIGITS_MAX",
                  "MODE_SHARED", "MODE_GLOBAL", "MODE_DETERMINISTIC"):
         assert int(defined[name]) == getattr(d, name), name
+
+
+@pytest.mark.parametrize("numel,limit,need", [(0, 512, 0), (1, 512, 0), (32, 512, 0),
+                                              (33, 512, 256), (512, 512, 16 * 128),
+                                              (513, 512, 0), (100, 0, 0), (100, 99, 0)])
+def test_ballot_path_gets_its_shared_words(numel, limit, need):
+    """align_tiny's ballot path (calls of more than WARP_ROUTES and at most
+    ballot_max_routes routes; align_warp takes fewer, without shared words) keeps
+    BALLOT_WORDS words a warp of routes in dynamic shared memory: the launch gives at least
+    that, alone or fused with a LoRA side, and the launcher's guard asks for it."""
+    policy = d.AlignPolicy(ballot_max_routes=limit)
+    assert d.ballot_bytes(numel, d.ballot_routes(policy)) == need
+    single = d.choose_launch(numel, 8, 1, H200, policy=policy)
+    pair = d.choose_pair(numel, 8, 8 * 4, 4, H200, policy=policy)
+    for launch, sides in ((single, [(8, 1)]), (pair, [(8, 1), (32, 4)])):
+        assert launch.tiny and launch.ballot_routes == limit
+        assert launch.smem_single >= need
+        (_, _, _, given, needs), = d.kernel_demands(launch, numel, sides)
+        assert given >= needs >= need
+
+
+@pytest.mark.parametrize("numel,buckets,rows,spread", [
+    (128, 16 * 256, 16, True),     # LoRA decode, 16 slots: the fill spreads (ballot path)
+    (512, 4 * 64, 4, True),        # the most routes the ballot path takes
+    (513, 4 * 64, 4, True),        # one more: align_tiny's counting path spreads too
+    (128, 33 * 64, 33, True),      # more rows than one warp's bits: the counting path
+    (33, 16 * 256, 16, True),      # the fewest routes the ballot path takes
+    (32, 16 * 256, 16, False),     # one warp of routes: align_warp, one block
+    (32, 33 * 64, 33, True),       # ... but not with more than 32 rows
+    (0, 16 * 256, 16, False)])     # no routes: align_warp too
+def test_tiny_spreads_its_fill(numel, buckets, rows, spread):
+    """align_tiny launches get a block per ``tiny_entries_per_block`` output entries (at most
+    one an SM), except on the one-warp path; align_single keeps one block; the fused pair has
+    a block for base and the LoRA side's blocks."""
+    entries = 66000  # below coop_over_single_entries
+    launch = d.choose_launch(numel, buckets, rows, H200, out_entries=entries)
+    assert launch.kind == "single" and launch.tiny
+    want = d.tiny_blocks(numel, rows, entries, H200) if spread else 1
+    assert launch.grid == want and (want > 1) == spread
+    assert d.tiny_blocks(33, 1, 10 ** 9, H200) == H200.sm_count
+    assert d.tiny_blocks(33, 1, 0, H200) == 1
+    assert d.choose_launch(numel, buckets, rows, H200, out_entries=entries,
+                           policy=d.AlignPolicy(use_tiny=False)).grid == 1
+    pair = d.choose_pair(numel, 256, buckets, rows, H200, out_entries=entries)
+    assert pair is None or pair.grid == 1 + want  # base's block, then the LoRA side's
+
+
+@pytest.mark.parametrize("warp,numel,need,spread", [
+    (32, 32, 0, False), (32, 33, 256, True), (0, 0, 128, True), (0, 32, 128, True),
+    (16, 16, 0, False), (16, 17, 128, True), (100, 32, 0, False)])
+def test_one_warp_limit_moves_the_ballot_path(warp, numel, need, spread):
+    """warp_max_routes (at most WARP_ROUTES; 0 turns the one-warp path off) hands the calls
+    above it to the ballot path, which then needs its shared words (one warp's at least) and
+    spreads over blocks like any align_tiny launch off the one-warp path."""
+    policy = d.AlignPolicy(warp_max_routes=warp)
+    launch = d.choose_launch(numel, 16 * 256, 16, H200, out_entries=66000, policy=policy)
+    assert launch.tiny and launch.warp_routes == min(warp, d.WARP_ROUTES)
+    assert d.ballot_bytes(numel, launch.ballot_routes, launch.warp_routes) == need
+    assert launch.smem_single >= need and (launch.grid > 1) == spread
+    (_, _, _, given, needs), = d.kernel_demands(launch, numel, [(16 * 256, 16)])
+    assert given >= needs >= need
+
+
+@pytest.mark.parametrize("numel,buckets,rows,policy,ordered", [
+    (128, 16 * 256, 16, {}, False),                       # ballot path: flat order anyway
+    (128, 16 * 256, 16, {"ballot_max_routes": 0}, True),  # counting path, spread
+    (800, 4 * 64, 4, {}, True),                           # past the ballot path's routes
+    (128, 33 * 64, 33, {}, True),                         # past its rows
+    (800, 4 * 64, 4, {"tiny_entries_per_block": 1 << 30}, False),  # one block: free order
+    (16, 16 * 256, 16, {}, False),                        # the one-warp path, one block
+    (800, 4 * 64, 4, {"tiny_spread_flat_order": False}, False),  # spread in free order
+    (128, 16 * 256, 16, {"ballot_max_routes": 0, "tiny_spread_flat_order": False}, False)])
+def test_spread_counting_path_ranks_in_flat_order(numel, buckets, rows, policy, ordered):
+    """By default every block of a spread launch ranks every route alike. The counting
+    path's shared atomics rank in the order its warps happen to run, so a free-order call
+    whose counting path spreads runs the deterministic instance (its counters in shared
+    memory), unless the policy spreads in free order (each position then written by one
+    block); the ballot and one-warp paths rank in flat order anyway. The fused pair follows
+    its LoRA side."""
+    policy = d.AlignPolicy(**policy)
+    launch = d.choose_launch(numel, buckets, rows, H200, out_entries=66000, policy=policy)
+    assert launch.tiny and launch.deterministic == ordered
+    assert (launch.grid > 1) == (ordered or numel > 32 and rows <= 32
+                                 and policy.tiny_entries_per_block < 66000)
+    (_, _, _, given, needs), = d.kernel_demands(launch, numel, [(buckets, rows)])
+    assert given >= needs
+    if ordered:
+        assert needs >= d.smem_one_block(buckets, rows, d.tiny_warp_counter_bytes(
+            numel, launch.block, buckets))
+    pair = d.choose_pair(numel, 256, buckets, rows, H200, out_entries=66000, policy=policy)
+    if pair is not None and pair.tiny:
+        assert pair.deterministic == ordered and pair.grid == 1 + launch.grid
+        (_, _, _, given, needs), = d.kernel_demands(pair, numel, [(256, 1), (buckets, rows)])
+        assert given >= needs
+
+
+def test_ballot_limit_is_what_the_kernel_holds():
+    assert d.ballot_routes(d.AlignPolicy(ballot_max_routes=1 << 20)) == 32 * d.BALLOT_WARPS
+    assert d.ballot_routes(d.AlignPolicy(ballot_max_routes=-5)) == 0
+    # every bucket id align_tiny takes fits the ballot path's bits
+    assert d.TINY_BUCKETS * d.BLOCK <= 1 << d.BALLOT_BUCKET_BITS
 
 
 def test_policy_is_a_value_the_dispatcher_takes():
