@@ -54,8 +54,6 @@ struct Problem {
   int tiles_shift;
   int count_stride;             // cooperative kernel: entries between its two count buffers
   int coop_blocks;              // cooperative kernels: blocks aligning this problem
-  int ballot_max_routes;        // align_tiny ranks up to this many routes with ballots,
-  int warp_max_routes;          //   and places up to this many on one warp
   int reserved_;                // keeps the size a multiple of 8 bytes
 };
 
@@ -114,18 +112,6 @@ __device__ __forceinline__ unsigned warp_or(unsigned v) {
 #endif
 }
 
-// The rows lora_ids lists, as a bit mask over the calling warp's lanes (every lane calls
-// it; at most 32 rows): at most 33 entries, two a lane, both loaded at once, then an OR over
-// the lanes. No list: every row.
-__device__ __forceinline__ unsigned listed_rows_mask(const Problem& p, int lane) {
-  const int listed = p.lora_ids == nullptr ? 0 : min(p.lora_ids_len, p.rows + 1);
-  const int s0 = lane < listed ? p.lora_ids[lane] : -1;
-  const int s1 = lane + 32 < listed ? p.lora_ids[lane + 32] : -1;
-  const unsigned mine = (s0 >= 0 && s0 < p.rows ? 1u << s0 : 0u) |
-                        (s1 >= 0 && s1 < p.rows ? 1u << s1 : 0u);
-  return listed > 0 ? warp_or(mine) : MLA_FULL_MASK;
-}
-
 // processed[r] = 1 for every row this call aligns: listed in lora_ids (or no list) and
 // enabled. Up to 32 rows one warp does it with one round trip of loads and one barrier: the
 // list becomes a bit mask of rows (an OR over the lanes), so no row searches it. More rows:
@@ -135,8 +121,13 @@ __device__ void mark_processed_rows(const Problem& p, unsigned char* processed) 
   if (p.rows <= 32) {
     if (threadIdx.x < 32) {
       const int lane = threadIdx.x;
-      const unsigned rows_listed = listed_rows_mask(p, lane);
+      // listed <= 33: at most two entries a lane, both loaded at once
+      const int s0 = lane < listed ? p.lora_ids[lane] : -1;
+      const int s1 = lane + 32 < listed ? p.lora_ids[lane + 32] : -1;
       const bool on = lane < p.rows && adapter_on(p, lane);
+      const unsigned mine = (s0 >= 0 && s0 < p.rows ? 1u << s0 : 0u) |
+                            (s1 >= 0 && s1 < p.rows ? 1u << s1 : 0u);
+      const unsigned rows_listed = listed > 0 ? warp_or(mine) : MLA_FULL_MASK;
       if (lane < p.rows) processed[lane] = on && ((rows_listed >> lane) & 1u);
     }
     __syncthreads();
@@ -173,7 +164,12 @@ struct RowBits {
 // calls it): the same rows as mark_processed_rows, with no shared memory and no barrier.
 __device__ __forceinline__ RowBits processed_row_bits(const Problem& p) {
   const int lane = threadIdx.x & 31;
-  const unsigned rows_listed = listed_rows_mask(p, lane);
+  const int listed = p.lora_ids == nullptr ? 0 : min(p.lora_ids_len, p.rows + 1);
+  const int s0 = lane < listed ? p.lora_ids[lane] : -1;
+  const int s1 = lane + 32 < listed ? p.lora_ids[lane + 32] : -1;
+  const unsigned mine = (s0 >= 0 && s0 < p.rows ? 1u << s0 : 0u) |
+                        (s1 >= 0 && s1 < p.rows ? 1u << s1 : 0u);
+  const unsigned rows_listed = listed > 0 ? warp_or(mine) : MLA_FULL_MASK;
   const unsigned enabled = __ballot_sync(MLA_FULL_MASK, lane < p.rows && adapter_on(p, lane));
   return {enabled & rows_listed};
 }

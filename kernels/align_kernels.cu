@@ -1,7 +1,6 @@
 // Alignment kernels, one file a launch shape: one_block.cuh (decode sizes: align_single, and
 // align_tiny where every bucket has its own thread; align_pair / align_tiny_pair run a base and
-// a LoRA alignment in one launch of two blocks, or more for align_tiny_pair's LoRA side),
-// count_place.cuh (two launches: count, place),
+// a LoRA alignment in one launch of two blocks), count_place.cuh (two launches: count, place),
 // cooperative.cuh (one launch of resident blocks with a grid-wide barrier), cluster.cuh (one
 // launch of one thread-block cluster, sm_90 and newer) and order.cuh (a launch after the
 // cooperative or count + place kernels that sorts each bucket's segment: their output made

@@ -125,12 +125,6 @@ __device__ __forceinline__ void align_in_cluster(const Problem& p) {
     for (int j = 0; j < CLUSTER_ITEMS; ++j)
       if (bucket[j] >= 0) rank_in_block[j] += mine[bucket[j]];
   }
-#ifdef MLA_PROBE
-  else {  // probe only: every claim of the block done, before the cluster barrier
-    __syncthreads();
-    MLA_STAMP(6, 0);
-  }
-#endif
   cluster_arrive();  // a barrier of every thread of the cluster, this block's too
   cluster_wait();
   MLA_STAMP(4, 3);

@@ -20,10 +20,6 @@ TINY_BUCKETS = 4              # TINY_BUCKETS: align_tiny's buckets a thread when
                               #   outnumber threads
 WARP_ROUTES = 32              # WARP_ROUTES: align_tiny places at most this many routes
                               #   (of at most 32 rows) on one warp (align_warp)
-BALLOT_WARPS = 16             # BALLOT_WARPS: align_tiny's ballot path holds a route a lane
-                              #   in at most this many warps (align_ballot)
-BALLOT_WORDS = 32             # BALLOT_WORDS: its shared words a warp holding routes
-BALLOT_BUCKET_BITS = 13       # BALLOT_BUCKET_BITS: bucket ids it ranks are below 2**this
 COOP_ITEMS = 8                # COOP_ITEMS: the cooperative kernels' routes a thread, at most
 CLUSTER_BLOCKS = 8            # CLUSTER_BLOCKS: blocks of align_cluster's one cluster
 CLUSTER_ITEMS = 8             # CLUSTER_ITEMS: align_cluster's routes a thread, at most
@@ -47,20 +43,6 @@ class AlignPolicy:
     # One block at decode sizes: align_tiny where it fits, else align_single.
     use_tiny: bool = True
     tiny_one_bucket_max: int = 1024      # align_tiny: a thread a bucket up to this, then 1 per 4
-    # align_tiny places up to this many routes (of at most 32 rows) on one warp (align_warp);
-    # at most WARP_ROUTES, 0 turns it off.
-    warp_max_routes: int = WARP_ROUTES
-    # Above that, it ranks up to this many routes (of at most 32 rows) with warp ballots, no
-    # atomics and no scan (align_ballot); at most 32 * BALLOT_WARPS, 0 turns it off.
-    ballot_max_routes: int = 512
-    # align_tiny's output entries a block writes, about, off the one-warp path: larger fills
-    # (LoRA decode with many slots) spread over more blocks, each of which ranks every route
-    # and writes its part of each row.
-    tiny_entries_per_block: int = 8192
-    # A spread launch on the counting path ranks in flat order (the deterministic instance,
-    # which issues the fill first); False: in free order, each output position written by
-    # one block and the fill after the scan (kernels/one_block.cuh: align_tiny_buckets).
-    tiny_spread_flat_order: bool = True
     single_block_sizes: Tuple[int, ...] = (128, 256, 512, 1024)  # align_single's choices
     one_route_per_thread: int = 512      # up to this many routes, a thread claims one
     entries_per_thread: int = 64         # output entries a thread of one block writes, at most
@@ -139,8 +121,6 @@ class Launch:
     starts_in_smem: bool = False  # place kernel copies the segment starts to shared memory
     stage_output: bool = False    # place kernel stages routes for coalesced stores (shared)
     tiny: bool = False            # single: align_tiny (a thread per bucket), not align_single
-    ballot_routes: int = 0        # tiny: ranks up to this many routes with ballots,
-    warp_routes: int = 0          #   above this many, which it places on one warp
     sorted: bool = False      # cooperative, deterministic: sorts every segment after a
                               #   second barrier (else ranks in flat order)
     order_grid: int = 0       # > 0: then align_order, this many blocks, sorts every segment
@@ -295,54 +275,6 @@ def tiny_warp_counter_bytes(numel: int, block: int, num_buckets: int) -> int:
     return 2 * _ceil_div(numel, 32 * items) * (num_buckets + (num_buckets & 1))
 
 
-def ballot_routes(policy: AlignPolicy = DEFAULT_POLICY) -> int:
-    """The most routes align_tiny ranks with ballots (the policy's, within what the kernel
-    holds)."""
-    return max(0, min(policy.ballot_max_routes, 32 * BALLOT_WARPS))
-
-
-def warp_routes(policy: AlignPolicy = DEFAULT_POLICY) -> int:
-    """The most routes align_tiny places on one warp (the policy's, within what the kernel
-    holds)."""
-    return max(0, min(policy.warp_max_routes, WARP_ROUTES))
-
-
-def ballot_bytes(numel: int, routes: int, warp: int = WARP_ROUTES) -> int:
-    """Dynamic shared bytes align_tiny's ballot path needs (kernels/one_block.cuh:
-    align_ballot): BALLOT_WORDS words a warp holding routes (at least one), where it may
-    run. It takes calls of more than ``warp`` (the one-warp path's) and at most ``routes``
-    routes (and at most 32 rows), from offset 0."""
-    ballot = 0 < routes and numel <= routes and not on_one_warp(numel, 1, warp)
-    return 4 * BALLOT_WORDS * max(1, _ceil_div(numel, 32)) if ballot else 0
-
-
-def on_one_warp(numel: int, rows: int, warp: int) -> bool:
-    """Whether align_tiny places the call on one warp (kernels/one_block.cuh:
-    align_tiny_block), ``warp`` the one-warp path's limit (0: off)."""
-    return 0 < warp and numel <= warp and rows <= 32
-
-
-def on_ballot_path(numel: int, num_buckets: int, rows: int, block: int, routes: int,
-                   warp: int) -> bool:
-    """Whether align_tiny ranks the call with ballots (kernels/one_block.cuh:
-    align_tiny_block), ``routes`` the ballot path's limit and ``warp`` the one-warp path's
-    (0: off)."""
-    return (not on_one_warp(numel, rows, warp) and 0 < routes and numel <= routes
-            and numel <= block and rows <= 32
-            and max(num_buckets - 1, 0).bit_length() <= BALLOT_BUCKET_BITS)
-
-
-def tiny_blocks(numel: int, rows: int, out_entries: int, limits: DeviceLimits,
-                policy: AlignPolicy = DEFAULT_POLICY) -> int:
-    """Blocks of an align_tiny launch: ``tiny_entries_per_block`` output entries each, at
-    most one an SM; one where the one-warp path takes the call (kernels/one_block.cuh:
-    align_tiny_block)."""
-    if on_one_warp(numel, rows, warp_routes(policy)):
-        return 1
-    return max(1, min(limits.sm_count, _ceil_div(out_entries,
-                                                 max(policy.tiny_entries_per_block, 1))))
-
-
 def _single_block(numel, num_buckets, rows, deterministic, limits, out_entries=0,
                   use_tiny=True, policy: AlignPolicy = DEFAULT_POLICY):
     if numel > SINGLE_BLOCK_MAX_ROUTES:
@@ -352,23 +284,9 @@ def _single_block(numel, num_buckets, rows, deterministic, limits, out_entries=0
     tiny = (tiny_block_threads(numel, out_entries, num_buckets, policy)
             if policy.use_tiny and use_tiny else None)
     if tiny is not None:
-        ballot, warp = ballot_routes(policy), warp_routes(policy)
-        grid = tiny_blocks(numel, rows, out_entries, limits, policy)
-        # A spread on the counting path ranks in flat order where the policy says so (its
-        # deterministic instance; the ballot path ranks in flat order anyway).
-        ordered = deterministic or (
-            grid > 1 and policy.tiny_spread_flat_order
-            and not on_ballot_path(numel, num_buckets, rows, tiny, ballot, warp))
-        smem = max(base + (tiny_warp_counter_bytes(numel, tiny, num_buckets)
-                           if ordered else 0), ballot_bytes(numel, ballot, warp))
+        smem = base + (tiny_warp_counter_bytes(numel, tiny, num_buckets) if deterministic else 0)
         if smem <= limits.dynamic_smem:
-            return Launch("shared", "single", ordered, tiny, grid=grid, smem_single=smem,
-                          tiny=True, ballot_routes=ballot, warp_routes=warp)
-        if grid > 1 and not deterministic:  # its counters do not fit: one block, free order
-            smem = max(base, ballot_bytes(numel, ballot, warp))
-            if smem <= limits.dynamic_smem:
-                return Launch("shared", "single", False, tiny, smem_single=smem, tiny=True,
-                              ballot_routes=ballot, warp_routes=warp)
+            return Launch("shared", "single", deterministic, tiny, smem_single=smem, tiny=True)
     if not deterministic:
         if base > limits.dynamic_smem:
             return None
@@ -714,20 +632,12 @@ def choose_pair(numel: int, base_buckets: int, lora_buckets: int, rows: int,
     if base.tiny and lora.tiny:
         block = max(base.block, lora.block)
         smem = max(base.smem_single, lora.smem_single)
-        # Flat-order ranks where asked for, or where the LoRA side spreads on the counting
-        # path at the pair's block (a larger block may put it on the ballot path) and the
-        # policy spreads in flat order.
-        ordered = deterministic or (
-            lora.grid > 1 and policy.tiny_spread_flat_order and not on_ballot_path(
-                numel, lora_buckets, rows, block, lora.ballot_routes, lora.warp_routes))
-        if ordered:  # the counters follow the block: both sides at the larger one
+        if deterministic:  # the counters follow the block: both sides at the larger one
             smem = max(smem_one_block(nb, r, tiny_warp_counter_bytes(numel, block, nb))
                        for nb, r in ((base_buckets, 1), (lora_buckets, rows)))
-        smem = max(smem, ballot_bytes(numel, base.ballot_routes, base.warp_routes))
-        if smem <= limits.dynamic_smem:  # a block for base, the LoRA side's as its own launch
-            return Launch("shared", "single", ordered, block, grid=1 + lora.grid,
-                          smem_single=smem, tiny=True, ballot_routes=base.ballot_routes,
-                          warp_routes=base.warp_routes)
+        if smem <= limits.dynamic_smem:
+            return Launch("shared", "single", deterministic, block, grid=2, smem_single=smem,
+                          tiny=True)
     if base.tiny or lora.tiny:  # two align_single blocks, each side sized for that kernel
         base, lora = (_single_block(numel, nb, r, deterministic, limits, e, use_tiny=False,
                                     policy=policy)
@@ -794,10 +704,8 @@ def _layout_bytes(kind: str, launch, numel: int, sides) -> int:
         return max(smem_cooperative(nb, r, side.chunk, side.deterministic, numel, side.sorted)
                    for (nb, r), side in zip(sides, (launch.base, launch.lora)))
     if launch.kind == "single":
-        return max(max(smem_one_block(nb, r, _one_block_counters(launch, numel, nb))
-                       for nb, r in sides),
-                   ballot_bytes(numel, launch.ballot_routes, launch.warp_routes)
-                   if launch.tiny else 0)
+        return max(smem_one_block(nb, r, _one_block_counters(launch, numel, nb))
+                   for nb, r in sides)
     if launch.kind == "cluster":
         return max(smem_cluster(nb, r, launch.deterministic, launch.block) for nb, r in sides)
     (nb, rows), = sides

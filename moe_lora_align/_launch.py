@@ -29,7 +29,6 @@ _MAGICS = tuple(x for d in _DIVISORS for x in ((d + "_magic", np.uint32), (d + "
 # Mirrors kernels/align_common.cuh: struct Problem.
 PROBLEM_DTYPE = np.dtype([(n, np.uint64) for n in _POINTERS] + [(n, np.int32) for n in _INTS]
                          + list(_MAGICS) + [("count_stride", np.int32), ("coop_blocks", np.int32),
-                            ("ballot_max_routes", np.int32), ("warp_max_routes", np.int32),
                             ("reserved_", np.int32)], align=True)
 
 MAP_NONE, MAP_BEFORE, MAP_AFTER = 0, 1, 2
@@ -149,7 +148,7 @@ def _ptr(x) -> int:
 
 
 # Little-endian, no padding: pointers, ints, then (magic, shift) pairs: PROBLEM_DTYPE's layout.
-_PACKER = struct.Struct("<%dQ%di%s5i" % (len(_POINTERS), len(_INTS), "Ii" * len(_DIVISORS)))
+_PACKER = struct.Struct("<%dQ%di%s3i" % (len(_POINTERS), len(_INTS), "Ii" * len(_DIVISORS)))
 assert _PACKER.size == PROBLEM_DTYPE.itemsize
 
 
@@ -184,7 +183,7 @@ def pack(job: Job, launch: _dispatch.Launch, ws: Workspace) -> None:
         int(launch.starts_in_smem), int(launch.stage_output), *division_magic(max(job.topk, 1)),
         *division_magic(job.block_size), *division_magic(job.num_experts),
         *division_magic(max(job.num_tiles, 1)), ws.buckets if coop else 0,
-        launch.grid if coop else 0, launch.ballot_routes, launch.warp_routes, 0)
+        launch.grid if coop else 0, 0)
     job.packed = np.frombuffer(bytearray(raw), dtype=np.uint8)
     job.params = np.array([job.packed.ctypes.data], dtype=np.uint64)
     job.params_addr = job.params.ctypes.data
@@ -377,9 +376,8 @@ def _current(stream):
 
 def launch_pair(base: Job, lora: Job, launch, ws_base: Workspace, ws_lora: Workspace, stream,
                 device_id: int):
-    """Both alignments in one launch: two blocks or more (decode sizes, ``launch`` a
-    single-block ``Launch``: base in block 0, the LoRA side spread over the others), two
-    clusters (a cluster ``Launch``) or a cooperative launch split between
+    """Both alignments in one launch: two blocks (decode sizes, ``launch`` a single-block
+    ``Launch``), two clusters (a cluster ``Launch``) or a cooperative launch split between
     them (``CooperativePair``)."""
     ks = kernels_for(base.topk_ids.dtype, device_id,
                      device_limits(device_id).smem_optin)
@@ -462,7 +460,7 @@ def run(job: Job, device_id: int, framework: str, *, variant=None, stream=None,
 def choose_streams(base: Job, lora: Job, device_id: int, streams=None, variant=None,
                    policy: _dispatch.AlignPolicy = _dispatch.DEFAULT_POLICY):
     """Pick how base + LoRA run: ``fused`` (one launch: two clusters in the policy's cluster
-    range, two blocks or more at decode sizes, else a cooperative launch split between them),
+    range, two blocks at decode sizes, else a cooperative launch split between them),
     ``one`` (both on the caller's stream) or ``two`` (forked onto two side streams);
     ``streams`` was checked where the call entered. Returns (mode, fused launch or None)."""
     limits = device_limits(device_id)

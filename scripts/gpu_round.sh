@@ -12,8 +12,6 @@
 #   bench      the benchmark, quick grid;  benchfull  the full grid
 #   det        scripts/det_experiment.py: deterministic mode against the default path
 #   steps      scripts/profile_calls.py --steps: where a prepared eager call's host time goes
-#   twice      scripts/decode_experiment.py --twice-only: align_tiny's alignment twice in a
-#              block through the same instructions, both passes stamped (TWICE_CASES)
 #   decode     scripts/tiny_experiment.py (DECODE_RUNS, DECODE_CASES, DECODE_BASELINE: a folder
 #              of an earlier commit's kernels/, copied in as an untracked folder; the device
 #              has no .git) and stage_probe.py --stamps-only (STAMPS_ONLY); each kernel set
@@ -101,14 +99,9 @@ for s in $STEPS; do
       timeout ${STEPS_S:-200} python3 scripts/profile_calls.py --steps 2>&1 \
         | tee "$OUT/steps.txt" | tail -40
       echo "steps rc=${PIPESTATUS[0]}" ;;
-    twice)
-      step "cold or busy: align_tiny twice in a block"
-      timeout ${TWICE_S:-200} python3 scripts/decode_experiment.py --twice-only --out "$OUT" \
-        ${TWICE_CASES:+--cases "$TWICE_CASES"} 2>&1 | tee "$OUT/twice.txt" | tail -20
-      echo "twice rc=${PIPESTATUS[0]}" ;;
     decode)
       step "decode kernels"
-      timeout ${DECODE_S:-300} python3 scripts/tiny_experiment.py --runs "${DECODE_RUNS:-tiny,det}" \
+      timeout ${DECODE_S:-300} python3 scripts/tiny_experiment.py --runs ${DECODE_RUNS:-tiny,det} \
         ${DECODE_BASELINE:+--baseline "$DECODE_BASELINE"} ${DECODE_CASES:+--cases "$DECODE_CASES"} \
         --json "$OUT/tiny.json" 2>&1 | tee "$OUT/tiny.txt" | tail -30
       echo "tiny_experiment rc=${PIPESTATUS[0]}"

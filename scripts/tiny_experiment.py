@@ -5,16 +5,9 @@
 
 Every case is timed with graph replay (moe_lora_align.bench.graph_us) under each of RUNS'
 dispatcher settings: align_tiny as dispatched ("tiny"), align_tiny with four buckets a
-thread wherever its block has fewer threads than buckets ("tiny4"), align_tiny without its
-ballot path ("counting"), without its one-warp path ("no warp": the ballot path takes those
-calls), without either ("counting only"), align_tiny over a block per 2048 or 32768
-output entries or one block ("spread2k", "spread32k", "one block"; the default is 8192),
-"counting" with its spread in free order ("counting free"; flat order is the default),
-align_single ("single"), the dispatcher's default but with one block up to any fill size ("no
-coop": the cooperative launch otherwise takes the largest LoRA fills), the mid band's
-cases without the cluster ("no cluster", "no cluster spread1k", "no cluster spread256",
-and the last two in free order: "... free"; timed only where the default takes the
-cluster), and
+thread wherever its block has fewer threads than buckets ("tiny4"), align_single
+("single"), and the dispatcher's default but with one block up to any fill size ("no
+coop": the cooperative launch otherwise takes the largest LoRA fills), and
 ``deterministic=True`` through align_tiny ("det") and through align_single ("det single").
 With ``--baseline``
 also align_tiny compiled from the kernel sources in DIR (an earlier commit's ``kernels/``,
@@ -35,7 +28,7 @@ import cupy
 import numpy as np
 
 import moe_lora_align as mla
-from moe_lora_align import _dispatch, _kernels, _launch
+from moe_lora_align import _kernels
 from moe_lora_align.bench import check_against_numpy, graph_us, lora_inputs, routing
 from moe_lora_align.testing import segment_starts
 
@@ -43,16 +36,14 @@ CASES = [  # op, T, E, K, B, L
     ("base", 1, 8, 2, 16, None), ("base", 1, 64, 8, 16, None), ("base", 1, 512, 10, 16, None),
     ("base", 4, 64, 8, 16, None), ("base", 4, 256, 8, 16, None), ("base", 3, 512, 10, 16, None),
     ("base", 16, 64, 8, 16, None), ("base", 16, 256, 8, 16, None),
-    ("base", 32, 256, 8, 16, None), ("base", 64, 64, 8, 16, None),
-    ("base", 64, 256, 8, 16, None), ("base", 64, 512, 8, 16, None), ("base", 256, 8, 2, 16, None),
+    ("base", 64, 256, 8, 16, None), ("base", 256, 8, 2, 16, None),
     ("base", 256, 64, 8, 16, None), ("base", 256, 256, 8, 16, None),
-    ("base", 256, 512, 10, 16, None), ("base", 256, 128, 8, 16, None),
-    ("base", 512, 256, 8, 16, None),
+    ("base", 256, 512, 10, 16, None),
     ("lora", 1, 64, 6, 16, 4), ("lora", 1, 64, 8, 16, 4), ("lora", 4, 64, 8, 16, 4), ("lora", 2, 128, 8, 16, 16),
     ("lora", 16, 64, 6, 16, 16), ("lora", 16, 128, 4, 16, 4),
     ("lora", 256, 64, 6, 16, 16), ("lora", 256, 256, 8, 16, 4),
     ("lora", 1, 256, 8, 16, 16), ("lora", 16, 256, 8, 16, 16), ("lora", 64, 256, 8, 16, 16),
-    ("lora", 256, 256, 8, 16, 16), ("lora", 512, 256, 8, 16, 16), ("pair", 16, 256, 8, 16, 16),
+    ("lora", 256, 256, 8, 16, 16), ("pair", 16, 256, 8, 16, 16),
     ("pair", 1, 64, 8, 16, 4), ("pair", 64, 128, 8, 16, 4), ("pair", 256, 64, 8, 16, 16),
 ]
 
@@ -101,49 +92,13 @@ def make_call(case, stream, det=False, policy=None):
     return fn
 
 
-# Earlier kernel sources: a thread per bucket, one block (they have no slices).
-ONE = {"tiny_one_bucket_max": 1024, "tiny_entries_per_block": 1 << 30}
-NO_CLUSTER = {"cluster_min_routes": 1 << 30}
+ONE = {"tiny_one_bucket_max": 1024}
 RUNS = [  # name, AlignPolicy fields, kernel sources (None: the package's), one bucket a
           # thread only, deterministic
     ("tiny", {}, None, False, False), ("tiny4", {"tiny_one_bucket_max": 0}, None, False, False),
-    # Without the ballot path (the one-warp path stays): its crossover with the counting
-    # path is where "tiny" and "counting" meet over the cases' route counts. Without the
-    # one-warp path (the ballot path takes its calls), and without either.
-    ("counting", {"ballot_max_routes": 0}, None, False, False),
-    ("no warp", {"warp_max_routes": 0}, None, False, False),
-    ("counting only", {"warp_max_routes": 0, "ballot_max_routes": 0}, None, False, False),
-    # align_tiny's blocks (the default: a block per 8192 output entries).
-    ("spread2k", {"tiny_entries_per_block": 2048}, None, False, False),
-    ("spread32k", {"tiny_entries_per_block": 32768}, None, False, False),
-    ("one block", {"tiny_entries_per_block": 1 << 30}, None, False, False),
-    # "counting" with its spread in free order (each entry from one block, the fill after
-    # the scan) instead of flat order.
-    ("counting free", {"ballot_max_routes": 0, "tiny_spread_flat_order": False}, None, False,
-     False),
     ("single", {"use_tiny": False}, None, False, False),
     ("no coop", {"coop_over_single_entries": 1 << 30}, None, False, False),
-    # The mid band without its cluster: align_tiny as dispatched (one block at 2K to 4K
-    # routes), and spread over a block per 1024 or 256 output entries, in flat order or in
-    # free order. Timed only where the default takes the cluster.
-    ("no cluster", NO_CLUSTER, None, False, False),
-    ("no cluster spread1k", dict(NO_CLUSTER, tiny_entries_per_block=1024), None, False, False),
-    ("no cluster spread256", dict(NO_CLUSTER, tiny_entries_per_block=256), None, False, False),
-    ("no cluster spread1k free", dict(NO_CLUSTER, tiny_entries_per_block=1024,
-                                      tiny_spread_flat_order=False), None, False, False),
-    ("no cluster spread256 free", dict(NO_CLUSTER, tiny_entries_per_block=256,
-                                       tiny_spread_flat_order=False), None, False, False),
     ("det", {}, None, False, True), ("det single", {"use_tiny": False}, None, False, True)]
-
-
-def on_cluster(case):
-    """Whether the default dispatcher gives ``case`` one cluster (the device's limits)."""
-    op, T, E, K, B, L = case
-    sides = [(E, 1)] if op == "base" else [(E * L, L)] + ([(E, 1)] if op == "pair" else [])
-    limits = _launch.device_limits(cupy.cuda.Device().id)
-    return any(_dispatch.choose_launch(T * K, nb, rows, limits).kind == "cluster"
-               for nb, rows in sides)
-
 
 def medians_in_turns(names, time_run, turns=3):
     """One case's µs under each named run, the runs taking turns ``turns`` times so drift hits
@@ -159,11 +114,8 @@ def medians_in_turns(names, time_run, turns=3):
 
 
 def use_kernels(directory):
-    """Compile and load the kernels from ``directory`` (None: the package's own), unless
-    they are the ones loaded (a switch drops every loaded module)."""
-    build = _kernels.KernelBuild(source_dir=directory)
-    if _kernels.current_build() != build:
-        _kernels.use_build(build)
+    """Compile and load the kernels from ``directory`` (None: the package's own)."""
+    _kernels.use_build(_kernels.KernelBuild(source_dir=directory))
 
 
 def main():
@@ -178,11 +130,6 @@ def main():
     stream = cupy.cuda.Stream(non_blocking=True)
     report = {}
     keep = args.runs.split(",") if args.runs else [r[0] for r in RUNS]
-    unknown = [name for name in keep if name not in {r[0] for r in RUNS}]
-    wanted = [part for part in args.cases.split("|") if part]
-    unmatched = [part for part in wanted if not any(part in str(case) for case in CASES)]
-    if unknown or unmatched:  # a typo would otherwise drop its runs or cases silently
-        ap.error(f"unknown runs {unknown}, case parts matching no case {unmatched}")
     runs = [r for r in RUNS if r[0] in keep]
     for v in args.variant:
         name, spec = v.split("=", 1)
@@ -193,6 +140,7 @@ def main():
     print(f"{'case':40s} " + " ".join(f"{n:>10s}" for n, _, _, _, _ in runs)
           + "   (graph us, median of 3 in turn)")
     by_name = {r[0]: r for r in runs}
+    wanted = [part for part in args.cases.split("|") if part]
     for case in CASES:
         if wanted and not any(part in str(case) for part in wanted):
             continue
@@ -202,8 +150,6 @@ def main():
             _, settings, directory, one_only, det = by_name[name]
             if one_only and E * (L or 1) > 1024:
                 return None  # kernels with a thread per bucket only
-            if settings.get("cluster_min_routes") and not on_cluster(case):
-                return None  # the same launch as "tiny"
             use_kernels(directory)
             return graph_us(make_call(case, stream, det, mla.AlignPolicy(**settings)), stream)
 

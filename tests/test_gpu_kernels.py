@@ -174,9 +174,8 @@ def test_lora_single_block_without_tiny(E, T, variant, det, without_tiny):
 @pytest.fixture
 def tiny_four_buckets():
     """align_tiny with four buckets a thread wherever its block has fewer threads than
-    buckets (otherwise only above 1024 buckets), and its row-group sentinel fill; never the
-    ballot path, which would take the smaller of these calls."""
-    return mla.AlignPolicy(tiny_one_bucket_max=0, ballot_max_routes=0)
+    buckets (otherwise only above 1024 buckets), and its row-group sentinel fill."""
+    return mla.AlignPolicy(tiny_one_bucket_max=0)
 
 
 @pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
@@ -193,8 +192,7 @@ def test_lora_tiny_four_buckets_a_thread(E, T, rows, det, tiny_four_buckets):
 
 
 # Deterministic align_tiny at 1, 2 and 4 routes a lane (its block: 512 threads for these
-# E=64 rows), one warp to every warp holding routes, and four buckets a thread (16 x 256);
-# without the ballot path, which would take the calls of at most 512 routes.
+# E=64 rows), one warp to every warp holding routes, and four buckets a thread (16 x 256).
 DET_TINY = [(64, 1, 1), (64, 64, 1), (64, 100, 1), (64, 255, 1), (7, 3, 1), (1024, 255, 1),
             (64, 100, 4), (64, 255, 4), (256, 1, 16), (256, 16, 16), (128, 60, 16)]
 
@@ -202,172 +200,49 @@ DET_TINY = [(64, 1, 1), (64, 64, 1), (64, 100, 1), (64, 255, 1), (7, 3, 1), (102
 @pytest.mark.parametrize("salt", [0, 1, 2])
 @pytest.mark.parametrize("E,T,rows", DET_TINY)
 def test_tiny_deterministic_is_exact(E, T, rows, salt):
-    counting = mla.AlignPolicy(ballot_max_routes=0)
     launch = mla._dispatch.choose_launch(T * 8, rows * E, rows, mla._launch.device_limits(0),
-                                         deterministic=True, policy=counting)
+                                         deterministic=True)
     assert launch.kind == "single" and launch.tiny and launch.deterministic
     if rows == 1:
-        _base_case(E, T, None, True, salt=40 + salt, topk=8, scatter=salt == 1,
-                   policy=counting)
+        _base_case(E, T, None, True, salt=40 + salt, topk=8, scatter=salt == 1)
     else:
-        _lora_case(E, T, None, True, salt=43 + salt, max_loras=rows, topk=8, policy=counting)
+        _lora_case(E, T, None, True, salt=43 + salt, max_loras=rows, topk=8)
 
 
-# align_tiny's one-warp path (kernels/one_block.cuh: align_warp, its base instance and its
-# general one: at most WARP_ROUTES routes) and its ballot path (align_ballot: up to
-# ballot_max_routes, 512 by default and 32 * BALLOT_WARPS at most), both at most 32 rows, on
-# both sides of every limit and of every warp count's edge (32, 33, 64, 65, 480 routes); E
-# from one bucket to 1024;
-# every routing kind (skewed, invalid ids, -1 tokens) and id width; an expert map applied
-# before or after; scatter indices; listed, disabled and unlisted slots, allocated outputs
-# (unprocessed rows filled); free order and deterministic.
-BALLOT_MAX = mla._dispatch.ballot_routes()
-BALLOT_CASES = [(E, T, K) for E in (1, 7, 64, 512, 1024)
-                for T, K in ((1, 1), (1, 8), (3, 10), (4, 8), (32, 1), (33, 1), (5, 7),
-                             (64, 1), (65, 1), (60, 8), (64, 8), (73, 7), (512, 1), (513, 1))]
-BALLOT_LORA_CASES = [(E, T, K, rows) for E in (1, 64, 128)
-                     for T, K in ((1, 8), (4, 8), (5, 7), (16, 2), (33, 2), (64, 8), (65, 8))
-                     for rows in (1, 4, 32, 33)]
-assert BALLOT_MAX == 32 * mla._dispatch.BALLOT_WARPS
-assert {T * K for _, T, K in BALLOT_CASES} >= {32, 33, 64, 65, BALLOT_MAX, BALLOT_MAX + 1}
-assert {T * K for _, T, K, _ in BALLOT_LORA_CASES} >= {32, 35, 66, BALLOT_MAX, BALLOT_MAX + 8}
+# align_tiny's one-warp path (kernels/one_block.cuh: align_warp): at most WARP_ROUTES (32)
+# routes and 32 rows, on both sides of both limits; E from one bucket to 1024; every routing
+# kind (skewed, invalid ids, -1 tokens) and id width; an expert map applied before or after;
+# scatter indices; listed, disabled and unlisted slots, allocated outputs (unprocessed rows
+# filled); free order and deterministic.
+WARP_ROUTES = mla._dispatch.WARP_ROUTES
+WARP_CASES = [(E, T, K) for E in (1, 7, 64, 512, 1024)
+              for T, K in ((1, 1), (1, 8), (3, 10), (4, 8), (32, 1), (33, 1), (5, 7))]
+WARP_LORA_CASES = [(E, T, K, rows) for E in (1, 64, 128) for T, K in ((1, 8), (4, 8), (5, 7),
+                                                                       (16, 2))
+                   for rows in (1, 4, 32, 33)]
+assert {T * K for _, T, K in WARP_CASES} >= {WARP_ROUTES, WARP_ROUTES + 1}
+assert {T * K for _, T, K, _ in WARP_LORA_CASES} >= {WARP_ROUTES, WARP_ROUTES + 3}
 
 
 @pytest.mark.parametrize("salt", [0, 1])
 @pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
-@pytest.mark.parametrize("E,T,K", BALLOT_CASES)
-def test_base_warp_and_ballot_paths(E, T, K, det, salt):
+@pytest.mark.parametrize("E,T,K", WARP_CASES)
+def test_base_one_warp_path(E, T, K, det, salt):
     launch = mla._dispatch.choose_launch(T * K, E, 1, mla._launch.device_limits(0),
                                          deterministic=det)
-    assert launch.kind == "single" and launch.tiny  # both paths are inside align_tiny
-    assert launch.ballot_routes == BALLOT_MAX
+    assert launch.kind == "single" and launch.tiny  # the warp path is inside align_tiny
     mode = (None, "before", "after")[(E + T + K + salt) % 3]
     _base_case(E, T, None, det, salt=60 + salt, topk=K, expert_map_mode=mode,
                scatter=(T + salt) % 2 == 1)
 
 
 @pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
-@pytest.mark.parametrize("E,T,K,rows", BALLOT_LORA_CASES)
-def test_lora_warp_and_ballot_paths(E, T, K, rows, det):
+@pytest.mark.parametrize("E,T,K,rows", WARP_LORA_CASES)
+def test_lora_one_warp_path(E, T, K, rows, det):
     mix = E + T + K + rows
     _lora_case(E, T, None, det, salt=80 + mix % 7, max_loras=rows, topk=K,
                with_ids=mix % 3 != 0, disabled=mix % 2, allocate=mix % 5 == 0,
                use_map=mix % 4 == 1)
-
-
-@pytest.mark.parametrize("warp,limit", [(32, 0), (32, 31), (32, 100), (0, 512), (0, 0),
-                                        (16, 100), (1, 33)])
-@pytest.mark.parametrize("E,T,K,rows", [(64, 4, 8, 1), (64, 13, 8, 1), (257, 5, 7, 1),
-                                        (64, 2, 8, 1), (64, 4, 8, 4), (128, 13, 8, 16),
-                                        (64, 0, 8, 4), (7, 1, 1, 1)])
-def test_warp_and_ballot_limits_follow_the_policy(E, T, K, rows, warp, limit):
-    """The policy's warp_max_routes and ballot_max_routes decide, in the kernel, which calls
-    take the one-warp path, which the ballot path (one warp of routes too, once the one-warp
-    path is off) and which align_tiny's counting path: both sides of lowered limits, and 0
-    for either (no routes at all included)."""
-    policy = mla.AlignPolicy(warp_max_routes=warp, ballot_max_routes=limit)
-    launch = mla._dispatch.choose_launch(T * K, rows * E, rows, mla._launch.device_limits(0),
-                                         policy=policy)
-    assert launch.tiny and launch.ballot_routes == limit and launch.warp_routes == warp
-    for det in (False, True):
-        if rows == 1:
-            _base_case(E, T, None, det, salt=90 + limit + warp, topk=K, policy=policy)
-        else:
-            _lora_case(E, T, None, det, salt=91 + limit + warp, max_loras=rows, topk=K,
-                       policy=policy)
-
-
-@pytest.mark.parametrize("path", ["ballot", "counting", "counting free"])
-@pytest.mark.parametrize("per_block", [1, 100, 4096])
-@pytest.mark.parametrize("E,T,K,rows", [(256, 16, 8, 16), (64, 5, 7, 4), (128, 64, 8, 32),
-                                        (512, 5, 8, 1), (7, 4, 10, 1), (1, 33, 1, 1),
-                                        (64, 100, 8, 4), (256, 130, 8, 16),
-                                        (256, 300, 8, 1), (128, 512, 8, 1), (64, 256, 8, 16)])
-def test_tiny_spread_over_blocks(E, T, K, rows, per_block, path):
-    """align_tiny over several blocks, each writing its part of every row, on the ballot
-    path and the counting path (a bucket a thread and four; free-order calls in flat order
-    by default, or in free order with each entry from one block: "counting free"): from
-    one part an SM (an entry a block asked) to a few, row lengths that do not split
-    evenly, with and without 16-byte stores (allocated LoRA outputs), listed and disabled
-    slots, scatter indices and an expert map; mid-band sizes up to align_tiny's 4096
-    routes. The cluster and the cooperative launch are kept out, so align_tiny runs."""
-    policy = mla.AlignPolicy(tiny_entries_per_block=per_block,
-                             ballot_max_routes=512 if path == "ballot" else 0,
-                             tiny_spread_flat_order=path != "counting free",
-                             coop_over_single_entries=1 << 30, cluster_min_routes=1 << 30)
-    limits = mla._launch.device_limits(0)
-    for det in (False, True):
-        salt = (95 if rows == 1 else 96) + per_block
-        P, M = mla.buffer_sizes(T * K, E, _case_params(E, T, salt)[2])  # the case's B
-        entries = rows * (P + M)
-        launch = mla._dispatch.choose_launch(T * K, rows * E, rows, limits, deterministic=det,
-                                             out_entries=entries, policy=policy)
-        assert launch.tiny and launch.grid == mla._dispatch.tiny_blocks(
-            T * K, rows, entries, limits, policy)
-        assert launch.grid > 1 or per_block > 1
-        ballot = mla._dispatch.on_ballot_path(T * K, rows * E, rows, launch.block,
-                                              launch.ballot_routes, launch.warp_routes)
-        assert launch.deterministic == (det or (launch.grid > 1 and not ballot
-                                                and policy.tiny_spread_flat_order))
-        if rows == 1:
-            _base_case(E, T, None, det, salt=salt, topk=K, scatter=True,
-                       expert_map_mode="after" if det else None, policy=policy)
-        else:
-            _lora_case(E, T, None, det, salt=salt, max_loras=rows, topk=K,
-                       allocate=per_block == 100, use_map=det, policy=policy)
-
-
-@pytest.mark.parametrize("order", ["free", "det", "free spread"])
-@pytest.mark.parametrize("E,T,K,L,per_block", [(256, 16, 8, 16, 8192), (64, 5, 7, 4, 100),
-                                               (64, 100, 8, 4, 1), (64, 2, 8, 4, 1),
-                                               (128, 64, 8, 32, 4096)])
-def test_tiny_pair_spreads_its_lora_side(E, T, K, L, per_block, order):
-    """The fused tiny pair: block 0 aligns base, the other blocks the LoRA side, each its
-    part of every row (one more block where the one-warp path takes the call; "free
-    spread": the counting path, the LoRA side's spread in free order), on poisoned, guarded
-    outputs against the NumPy backend."""
-    det, free = order == "det", order == "free spread"
-    policy = mla.AlignPolicy(tiny_entries_per_block=per_block, coop_over_single_entries=1 << 30,
-                             tiny_spread_flat_order=not free,
-                             ballot_max_routes=0 if free else 512)
-    B = 16
-    rng = np.random.default_rng(E + T + K + L + per_block)
-    ids = make_routing(rng, T, K, E, np.int32, "uniform" if order == "free" else "skewed")
-    mapping, lora_ids, enabled = make_lora(rng, T, L, disabled=1)
-    P, M = mla.buffer_sizes(T * K, E, B)
-    kw = dict(lora_ids=lora_ids, adapter_enabled=enabled)
-    shapes = ([P], [M], [1]), ([L, P], [L, M], [L])
-    host = [[guarded(s, np) for s in side] for side in shapes]
-    dev = [[guarded(s, cupy) for s in side] for side in shapes]
-    mla.align_moe_and_lora(ids, mapping, B, E, L, out_base=[v for _, v in host[0]],
-                           out_lora=[v for _, v in host[1]], **kw)
-    mla.align_moe_and_lora(cupy.asarray(ids), cupy.asarray(mapping), B, E, L,
-                           streams="fused", deterministic=det, policy=policy,
-                           out_base=[v for _, v in dev[0]], out_lora=[v for _, v in dev[1]],
-                           **{k: cupy.asarray(v) for k, v in kw.items()})
-    cupy.cuda.get_current_stream().synchronize()
-    launch = mla._dispatch.choose_pair(T * K, E, L * E, L, mla._launch.device_limits(0),
-                                       deterministic=det, out_entries=L * (P + M),
-                                       policy=policy)
-    assert launch.tiny and launch.grid == 1 + mla._dispatch.tiny_blocks(
-        T * K, L, L * (P + M), mla._launch.device_limits(0), policy)
-    if free:
-        assert not launch.deterministic
-    for side, rows, extra in ((0, 1, {}), (1, L, dict(mapping=mapping, lora_ids=lora_ids,
-                                                       enabled=enabled, map_before=True))):
-        for guard, _ in dev[side]:
-            g = guard.get()
-            assert (g[:GUARD] == POISON).all() and (g[-GUARD:] == POISON).all()
-        got = [v.get() for _, v in dev[side]]
-        want = [v for _, v in host[side]]
-        starts = segment_starts(ids, E, B, rows=rows, **extra)
-        if det:
-            np.testing.assert_array_equal(got[0], want[0])
-        else:
-            np.testing.assert_array_equal(canonical(got[0].reshape(rows, -1), starts),
-                                          canonical(want[0].reshape(rows, -1), starts))
-        np.testing.assert_array_equal(got[1], want[1])
-        np.testing.assert_array_equal(got[2], want[2])
 
 
 @pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
@@ -375,7 +250,7 @@ def test_tiny_pair_spreads_its_lora_side(E, T, K, L, per_block, order):
                                                     (1, True, 1), (4, True, 1)])
 def test_lora_without_tokens_keeps_its_rows(rows, with_ids, disabled, det):
     """A LoRA call with no tokens has no token slots, like a base alignment, but its listed
-    and enabled slots decide which rows are written: never the ballot path's base row."""
+    and enabled slots decide which rows are written: never the one-warp base path's row."""
     for E in (1, 64):
         _lora_case(E, 0, None, det, salt=70 + rows + disabled, max_loras=rows,
                    with_ids=with_ids, disabled=disabled)
