@@ -209,11 +209,11 @@ def test_tiny_deterministic_is_exact(E, T, rows, salt):
         _lora_case(E, T, None, True, salt=43 + salt, max_loras=rows, topk=8)
 
 
-# align_tiny's one-warp path (kernels/one_block.cuh: align_warp): at most WARP_ROUTES (32)
-# routes and 32 rows, on both sides of both limits; E from one bucket to 1024; every routing
-# kind (skewed, invalid ids, -1 tokens) and id width; an expert map applied before or after;
-# scatter indices; listed, disabled and unlisted slots, allocated outputs (unprocessed rows
-# filled); free order and deterministic.
+# align_tiny's one-warp path (kernels/one_block.cuh: align_warp, its base instance and its
+# general one): at most WARP_ROUTES (32) routes and 32 rows, on both sides of both limits; E
+# from one bucket to 1024; every routing kind (skewed, invalid ids, -1 tokens) and id width;
+# an expert map applied before or after; scatter indices; listed, disabled and unlisted
+# slots, allocated outputs (unprocessed rows filled); free order and deterministic.
 WARP_ROUTES = mla._dispatch.WARP_ROUTES
 WARP_CASES = [(E, T, K) for E in (1, 7, 64, 512, 1024)
               for T, K in ((1, 1), (1, 8), (3, 10), (4, 8), (32, 1), (33, 1), (5, 7))]
