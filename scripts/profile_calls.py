@@ -3,8 +3,11 @@ public functions and AlignPlan, base, LoRA or both; ``--pieces`` times the alloc
 pieces the allocating paths are built from.
 
     python scripts/profile_calls.py [--calls N] [--op base|lora|pair]
-        [--path plan|cupy_out|cupy_alloc|torch_out|torch_alloc] [--wall] [--pieces]
-        [--breakdown]
+        [--path plan|cupy_out|cupy_alloc|torch_out|torch_alloc|cupy_new|torch_new] [--wall]
+        [--pieces] [--breakdown]
+
+``cupy_new`` / ``torch_new``: each call with the next of the benchmark's new token counts
+(the full path, as in eager prefill).
 """
 
 import argparse
@@ -19,7 +22,7 @@ import numpy as np
 
 import moe_lora_align as mla
 from moe_lora_align import _call
-from moe_lora_align.bench import public_call
+from moe_lora_align.bench import each_call_a_new_shape, public_call
 
 
 def inputs(op, path, T=16, K=8, E=256, B=16, L=16):
@@ -33,6 +36,13 @@ def inputs(op, path, T=16, K=8, E=256, B=16, L=16):
     enabled = np.ones(L + 1, np.int32)
     d = [cupy.asarray(x) for x in (ids, mapping, lora_ids, enabled)]
     P, M = mla.buffer_sizes(T * K, E, B)
+    if path.endswith("_new"):  # the benchmark's full-path columns: a new token count a call
+        torch = None
+        if path.startswith("torch"):
+            import torch
+        fns = {}
+        each_call_a_new_shape(op, T, K, E, B, L if op != "base" else None, fns, torch)
+        return fns[path]
     if path == "plan":
         plan = mla.AlignPlan(T, K, E, B, max_loras=None if op == "base" else L)
         fn = (lambda: plan(d[0])) if op == "base" else (
