@@ -252,7 +252,8 @@ def main():
                     help="only the probe build's graph times and stamps (no floor ladder, "
                          "carveout or eager profile)")
     ap.add_argument("--min-tokens", type=int, default=0, help="only cases with T >= this")
-    ap.add_argument("--only", default="", help="only cases whose printed tuple contains this")
+    ap.add_argument("--only", default="",
+                    help="only cases whose printed tuple contains one of these '|'-separated parts")
     ap.add_argument("--policy", default="",
                     help="AlignPolicy fields for every case, as NAME=INT,... (e.g. "
                          "cluster_min_routes=0,cluster_max_routes=65536)")
@@ -262,7 +263,9 @@ def main():
         POLICY = mla.AlignPolicy(**{k: int(v) for k, v in
                                     (kv.split("=") for kv in args.policy.split(","))})
     args.out.mkdir(parents=True, exist_ok=True)
-    CASES[:] = [c for c in CASES if c[1] >= args.min_tokens and args.only in str(c)]
+    parts = args.only.split("|")
+    CASES[:] = [c for c in CASES
+                if c[1] >= args.min_tokens and any(part in str(c) for part in parts)]
     stream = cupy.cuda.Stream(non_blocking=True)
     report = {"graph_calls": GRAPH_CALLS}
     base_opts = _kernels.current_build().options
