@@ -136,7 +136,8 @@ class Launch:
 
     @property
     def launches(self) -> int:
-        return (2 if self.kind == "multi" else 1) + (1 if self.order_grid else 0)
+        """Kernel launches it issues (``launch_kernels`` lists them)."""
+        return len(launch_kernels(self))
 
     @property
     def deterministic_output(self) -> bool:
