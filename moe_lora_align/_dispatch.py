@@ -21,6 +21,9 @@ TINY_BUCKETS = 4              # TINY_BUCKETS: align_tiny's buckets a thread when
 WARP_ROUTES = 32              # WARP_ROUTES: align_tiny places at most this many routes
                               #   (of at most 32 rows) on one warp (align_warp)
 COOP_ITEMS = 8                # COOP_ITEMS: the cooperative kernels' routes a thread, at most
+FILL_SPLIT_BLOCK = BLOCK // 2  # threads of each block of a cooperative launch with fill blocks
+                              #   (two blocks an SM: __launch_bounds__(BLOCK, 1) keeps a
+                              #   thread at 64 registers, so both fit the register file)
 CLUSTER_BLOCKS = 8            # CLUSTER_BLOCKS: blocks of align_cluster's one cluster
 CLUSTER_ITEMS = 8             # CLUSTER_ITEMS: align_cluster's routes a thread, at most
 ORDER_ITEMS = 4               # ORDER_ITEMS: entries a lane holds in the segment sort's warps
@@ -67,6 +70,10 @@ class AlignPolicy:
     sort_min_buckets: int = 4096
     # Multi-block launches.
     fill_per_block: int = 8192           # sentinel entries a count block fills, about
+    # From this many output entries the cooperative launch gets fill blocks: blocks that only
+    # write the sentinel fill beside the counting blocks (two blocks of FILL_SPLIT_BLOCK
+    # threads an SM) instead of the counting blocks filling before they count.
+    coop_fill_blocks_from: int = 0
     chunk_matrix_budget: int = 1 << 18   # entries of the deterministic [chunks, buckets] matrix
 
 
@@ -123,6 +130,8 @@ class Launch:
     tiny: bool = False            # single: align_tiny (a thread per bucket), not align_single
     sorted: bool = False      # cooperative, deterministic: sorts every segment after a
                               #   second barrier (else ranks in flat order)
+    fill_grid: int = 0        # cooperative: the grid's last blocks, which only write the
+                              #   sentinel fill (the counting blocks fill when 0)
     order_grid: int = 0       # > 0: then align_order, this many blocks, sorts every segment
                               #   (deterministic output from the free-order count + place)
     smem_order: int = 0       # dynamic shared bytes of align_order (the sort's scratch)
@@ -184,15 +193,15 @@ def smem_place(mode: int, num_buckets: int, rows: int, *, range_width: int = 0,
 
 
 def smem_cooperative(num_buckets: int, rows: int, chunk: int, deterministic: bool,
-                     numel: int = 0, sort: bool = False) -> int:
+                     numel: int = 0, sort: bool = False, block: int = BLOCK) -> int:
     """align_cooperative: hist[nb + 1], adj[nb], starts[nb + 1], then value[chunk] and
     bucket_of_k[chunk]; deterministic: with ``sort`` the segment sort's scratch in their
-    place where larger, else warp_counts[32 * even(nb)] ushort after them."""
+    place where larger, else warp_counts[block / 32 * even(nb)] ushort after them."""
     staging = 8 * chunk
     if deterministic and sort:
         staging = max(staging, order_scratch_bytes(numel))
     elif deterministic:
-        staging += 2 * (BLOCK // 32) * _even(num_buckets)
+        staging += 2 * (block // 32) * _even(num_buckets)
     return row_region_bytes(rows) + 4 * (3 * num_buckets + 2) + staging
 
 
@@ -312,38 +321,70 @@ def sorts_segments(num_buckets: int, policy: AlignPolicy) -> bool:
     return policy.sort_for_determinism and num_buckets >= policy.sort_min_buckets
 
 
+def two_blocks_an_sm(block: int, smem: int, limits: DeviceLimits) -> bool:
+    """Two blocks of align_cooperative fit on one SM: at most FILL_SPLIT_BLOCK threads each
+    (registers) and both blocks' shared memory, with the kernel's static part and the
+    driver's reserve, within one block's opt-in limit (below the SM's capacity)."""
+    return block <= FILL_SPLIT_BLOCK and 2 * (smem + SMEM_SLACK + 1024) <= limits.smem_optin
+
+
 def _cooperative(numel, num_buckets, rows, limits, out_entries, deterministic=False,
-                 policy: AlignPolicy = DEFAULT_POLICY):
+                 policy: AlignPolicy = DEFAULT_POLICY, fill_blocks: bool = True):
     """The one-launch multi-block kernel's geometry, or None where it cannot run: no
     cooperative launch, more routes than the resident blocks hold, or its shared memory
     (histogram, reserved offsets, starts: 12 bytes a bucket; 8 bytes a staged route; in
-    deterministic mode the segment sort's scratch where larger, or 64 bytes a bucket of
-    per-warp counters for ordered ranks) does not fit. Deterministic: the way the policy
-    prefers (``sorts_segments``), else the other where only it fits. At most one block per
-    SM, so every block is resident whatever the occupancy."""
+    deterministic mode the segment sort's scratch where larger, or 2 bytes a bucket a warp
+    of per-warp counters for ordered ranks) does not fit. Deterministic: the way the policy
+    prefers (``sorts_segments``), else the other where only it fits.
+
+    From ``policy.coop_fill_blocks_from`` output entries (and ``fill_blocks``), blocks of
+    FILL_SPLIT_BLOCK threads, two an SM: counting blocks, then fill blocks that only write
+    the sentinel fill; else (or where that does not fit) one block of BLOCK threads an SM,
+    the counting blocks filling too. Either way every block is resident whatever the
+    occupancy."""
     if not limits.cooperative:
         return None
+    if fill_blocks and out_entries >= policy.coop_fill_blocks_from:
+        split = _cooperative_blocks(numel, num_buckets, rows, limits, out_entries,
+                                    deterministic, policy, FILL_SPLIT_BLOCK)
+        if split is not None:
+            return split
+    return _cooperative_blocks(numel, num_buckets, rows, limits, out_entries, deterministic,
+                               policy, BLOCK)
+
+
+def _cooperative_blocks(numel, num_buckets, rows, limits, out_entries, deterministic, policy,
+                        block):
     per_sm = _ceil_div(max(numel, 1), limits.sm_count)
-    chunk = max(BLOCK, _ceil_div(per_sm, BLOCK) * BLOCK)
-    if chunk > COOP_ITEMS * BLOCK:
+    chunk = max(block, _ceil_div(per_sm, block) * block)
+    if chunk > COOP_ITEMS * block:
         return None
     ways = [False]
     if deterministic:
         prefer = sorts_segments(num_buckets, policy)
         ways = [prefer, not prefer]
     for sort in ways:
-        smem = smem_cooperative(num_buckets, rows, chunk, deterministic, numel, sort)
+        # The segment sort holds a segment of up to ORDER_DIGITS_MAX in a block of BLOCK.
+        if sort and block != BLOCK:
+            return None
+        smem = smem_cooperative(num_buckets, rows, chunk, deterministic, numel, sort, block)
         if smem <= limits.dynamic_smem:
             break
     else:
         return None
-    # Blocks past the last chunk only take their share of the sentinel fill (and of the
-    # segments to sort: about two a block).
-    fill_blocks = min(limits.sm_count, _ceil_div(out_entries, policy.fill_per_block))
+    fill = min(limits.sm_count, _ceil_div(out_entries, policy.fill_per_block))
     sort_blocks = min(limits.sm_count, _ceil_div(num_buckets, 2)) if sort else 1
-    grid = max(1, _ceil_div(numel, chunk), fill_blocks, sort_blocks)
-    return Launch("cooperative", "cooperative", deterministic, BLOCK, grid=grid, chunk=chunk,
-                  smem_place=smem, sorted=sort)
+    counting = max(1, _ceil_div(numel, chunk), sort_blocks)
+    if block == BLOCK:
+        # Blocks past the last chunk only take their share of the sentinel fill (and of the
+        # segments to sort: about two a block).
+        return Launch("cooperative", "cooperative", deterministic, block,
+                      grid=max(counting, fill), chunk=chunk, smem_place=smem, sorted=sort)
+    if not two_blocks_an_sm(block, smem, limits):
+        return None
+    fill = max(1, fill)
+    return Launch("cooperative", "cooperative", deterministic, block, grid=counting + fill,
+                  chunk=chunk, smem_place=smem, sorted=sort, fill_grid=fill)
 
 
 def cluster_block_threads(chunk: int, num_buckets: int,
@@ -607,7 +648,7 @@ def choose_cooperative_pair(numel: int, base_buckets: int, lora_buckets: int, ro
                                    (limits.sm_count - base_blocks, lora_buckets, rows,
                                     lora_entries)):
         side = _cooperative(numel, nb, r, DeviceLimits(blocks, limits.smem_optin, True),
-                            entries, deterministic, policy=policy)
+                            entries, deterministic, policy=policy, fill_blocks=False)
         if side is None:
             return None
         sides.append(side)
@@ -702,7 +743,8 @@ def _layout_bytes(kind: str, launch, numel: int, sides) -> int:
     if kind == "order":
         return order_scratch_bytes(numel)
     if isinstance(launch, CooperativePair):
-        return max(smem_cooperative(nb, r, side.chunk, side.deterministic, numel, side.sorted)
+        return max(smem_cooperative(nb, r, side.chunk, side.deterministic, numel, side.sorted,
+                                    side.block)
                    for (nb, r), side in zip(sides, (launch.base, launch.lora)))
     if launch.kind == "single":
         return max(smem_one_block(nb, r, _one_block_counters(launch, numel, nb))
@@ -712,7 +754,7 @@ def _layout_bytes(kind: str, launch, numel: int, sides) -> int:
     (nb, rows), = sides
     if kind == "cooperative":
         return smem_cooperative(nb, rows, launch.chunk, launch.deterministic, numel,
-                                launch.sorted)
+                                launch.sorted, launch.block)
     if kind == "count":
         return smem_count(launch.mode, nb, rows, launch.range_width)
     staged = launch.chunk if launch.stage_output else 0
@@ -744,11 +786,17 @@ def check_launch(launch, numel: int, sides, limits: DeviceLimits) -> None:
             why = f"a block of {block} threads"
         elif not 1 <= grid <= 2**31 - 1:
             why = f"a grid of {grid} blocks"
-        elif kernel.startswith("cooperative") and grid > limits.sm_count:
-            why = f"{grid} blocks cannot all be resident on {limits.sm_count} SMs"
+        elif kernel.startswith("cooperative") and grid > limits.sm_count * (
+                2 if two_blocks_an_sm(block, given, limits) else 1):
+            why = f"{grid} blocks of {block} threads cannot all be resident on {limits.sm_count} SMs"
+        elif kernel == "cooperative" and launch.fill_grid and (
+                launch.fill_grid >= grid or block > FILL_SPLIT_BLOCK):
+            why = (f"{launch.fill_grid} of {grid} blocks of {block} threads only filling "
+                   "(at least one block counts; fill blocks come with blocks of "
+                   f"{FILL_SPLIT_BLOCK} threads, two an SM)")
         if why is None and kernel in ("count", "cooperative"):
             per_block = launch.chunk
-            blocks = grid // launch.ranges if kernel == "count" else grid
+            blocks = grid // launch.ranges if kernel == "count" else grid - launch.fill_grid
             if per_block * blocks < numel or (kernel == "count" and grid < launch.grid):
                 why = f"{blocks} chunks of {per_block} routes do not cover {numel} routes"
         if why is None and kernel.startswith("cluster"):

@@ -101,7 +101,7 @@ for s in $STEPS; do
       echo "steps rc=${PIPESTATUS[0]}" ;;
     decode)
       step "decode kernels"
-      timeout ${DECODE_S:-300} python3 scripts/tiny_experiment.py --runs ${DECODE_RUNS:-tiny,det} \
+      timeout ${DECODE_S:-300} python3 scripts/tiny_experiment.py --runs "${DECODE_RUNS:-tiny,det}" \
         ${DECODE_BASELINE:+--baseline "$DECODE_BASELINE"} ${DECODE_CASES:+--cases "$DECODE_CASES"} \
         --json "$OUT/tiny.json" 2>&1 | tee "$OUT/tiny.txt" | tail -30
       echo "tiny_experiment rc=${PIPESTATUS[0]}"
