@@ -6,7 +6,7 @@
 // Multi-block in one launch (cooperative launch: every block is resident at once). Each block
 // counts its chunk, reserves its range in every bucket it touches, stages its routes in output
 // order, and writes its share of the sentinel fill (or fill blocks write it: fill_and_arrive,
-// below); then one barrier over the problem's blocks;
+// align_kernels.cu); then one barrier over the problem's blocks;
 // then every block scans all the counts itself (no second launch, no re-read of the routes) and
 // stores its staged routes, its share of the tile ids, and block 0 the totals.
 //
@@ -22,12 +22,6 @@
 #define COOP_FREE 0
 #define COOP_ORDERED 1
 #define COOP_SORTED 2
-
-__device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
-  unsigned v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
 
 // Every one of `blocks` blocks waits here for all the others. The fence publishes the
 // block's writes (its fill, its count atomics) before its arrival is counted.
@@ -235,33 +229,18 @@ __device__ __forceinline__ void align_cooperatively(const Problem& p, int block,
 #endif
 }
 
-// The last p.fill_blocks blocks of a launch only write the sentinel fill of the written rows,
-// then arrive at the counting blocks' first barrier (which orders the fill before the routes
-// that overwrite it) and leave. Their stores then drain beside the counting blocks' chain of
-// round trips (route loads, claims, reservations) instead of ahead of it, on the same SMs:
-// the launch has two blocks of half the threads a SM.
-__device__ void fill_and_arrive(const Problem& p, int fill_block) {
-  unsigned char* processed = dynamic_smem;
-  // Read before arriving: block 0 flips the parity only once every block has arrived.
-  const unsigned parity = __ldcg(p.ticket) & 1u;
-  mark_processed_rows(p, processed);
-  fill_rows(p, processed, p.sorted_ids, p.sorted_pitch, p.padded_len, p.numel,
-            fill_block * blockDim.x + threadIdx.x, p.fill_blocks * blockDim.x);
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    atomicAdd(p.ticket + 4 + parity, 1u);
-  }
-}
-
 // (1024, 1): one block a SM by design, or two of 512 threads with fill blocks (64 registers
 // a thread at most either way); without the minimum, NVRTC 13.0 gave an instance 32
-// registers and spilled.
+// registers and spilled. The last p.fill_blocks blocks only fill: their arrival counts at
+// the counting blocks' first barrier, which orders the fill before the routes. (The parity
+// is read before arriving: block 0 flips it only once every block has arrived.)
 template <typename IdT, int DET>
 __global__ void __launch_bounds__(1024, 1) align_cooperative(const Problem p) {
   const int counting = (int)gridDim.x - p.fill_blocks;
-  if ((int)blockIdx.x >= counting) fill_and_arrive(p, (int)blockIdx.x - counting);
-  else align_cooperatively<IdT, DET>(p, blockIdx.x, counting);
+  if ((int)blockIdx.x >= counting)
+    fill_and_arrive(p, (int)blockIdx.x - counting, false, p.ticket + 4 + (__ldcg(p.ticket) & 1u));
+  else
+    align_cooperatively<IdT, DET>(p, blockIdx.x, counting);
 }
 
 // Base and LoRA alignment in one cooperative launch: the first `first.coop_blocks` blocks

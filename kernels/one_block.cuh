@@ -101,7 +101,9 @@ __global__ void align_pair(const Problem first, const Problem second) {
 // the time is that chain, one warp's instructions one after another (about five stages of
 // ~1000 cycles in align_single), so this version has no divisions in its loops, a two-barrier
 // scan whose result stays in each bucket's thread, tiles written by their bucket's thread
-// instead of a binary search per tile, and every fill issued before counting.
+// instead of a binary search per tile, and every fill issued before counting. Large fills
+// (LoRA with many slots) go to fill blocks instead: the launch's blocks past the first write
+// them, and block 0 waits for their arrivals only before its own stores.
 // DET: ranks in flat-index order. Warp w owns routes [w * items * 32, (w + 1) * items * 32),
 // items = 1, 2 or 4 routes a lane (the fewest that cover the routes); ranks within the warp
 // come in lane order (claim_in_lane_order into the warp's own counters), and each bucket's
@@ -160,6 +162,7 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
   const bool vec = ((p.sorted_pitch & 3) == 0) &&
                    ((reinterpret_cast<unsigned long long>(p.sorted_ids) & 15) == 0);
   const int units = vec ? (p.padded_len >> 2) : 0;
+  const bool fills = p.fill_blocks == 0;  // else the launch's other blocks write the fill
   const auto fill_row = [&](int r, int from, int step) {
     if (!BASE && !row_written(p, processed, r)) return;
     int* row = p.sorted_ids + (long long)r * p.sorted_pitch;
@@ -168,7 +171,8 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
 #pragma unroll 1
     for (int k = 4 * units + from; k < p.padded_len; k += step) row[k] = p.numel;
   };
-  if (BASE) {
+  if (!fills) {
+  } else if (BASE) {
     fill_row(0, tid, bd);
 #pragma unroll 1
     for (int k = tid; k < p.num_tiles; k += bd) p.expert_ids[k] = -1;
@@ -184,7 +188,7 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
 #pragma unroll 1
     for (int r = 0; r < p.rows; ++r) fill_row(r, tid, blockDim.x);
   }
-  if (!BASE) fill_tile_ids(p, processed, tid, blockDim.x);
+  if (!BASE && fills) fill_tile_ids(p, processed, tid, blockDim.x);
   MLA_STAMP(0, 1);
 
   int bucket[TINY_ITEMS], rank[TINY_ITEMS];
@@ -225,6 +229,13 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
   for (int q = 0; q < PER; ++q)  // each thread overwrites only the counts it read
     if (first + q < nb) starts[first + q] = start[q];
   if (tid == 0) starts[nb] = total;
+  if (!fills && tid == 0) {
+    // Every fill block's stores before the ones below that overwrite them; then the count
+    // goes back to zero for the next call (all fill blocks have arrived).
+    while (load_acquire(p.ticket) < (unsigned)p.fill_blocks) {
+    }
+    *p.ticket = 0u;
+  }
   __syncthreads();
   MLA_STAMP(0, 3);
 
@@ -353,17 +364,21 @@ __device__ __forceinline__ void align_warp(const Problem& p) {
 // The dispatcher keeps nb <= TINY_BUCKETS * blockDim.
 template <typename IdT, bool DET>
 __device__ __forceinline__ void align_tiny_block(const Problem& p) {
-  if (p.numel <= WARP_ROUTES && base_problem(p)) align_warp<IdT, true>(p);
-  else if (p.numel <= WARP_ROUTES && p.rows <= 32) align_warp<IdT, false>(p);
+  const bool one_warp = p.numel <= WARP_ROUTES && p.fill_blocks == 0;  // it fills itself
+  if (one_warp && base_problem(p)) align_warp<IdT, true>(p);
+  else if (one_warp && p.rows <= 32) align_warp<IdT, false>(p);
   else if (num_buckets(p) > (int)blockDim.x) align_tiny_buckets<IdT, TINY_BUCKETS, DET, false>(p);
   else if (base_problem(p)) align_tiny_buckets<IdT, 1, DET, true>(p);
   else align_tiny_buckets<IdT, 1, DET, false>(p);
 }
 
 // (1024, 1): with (1024) alone NVRTC 13.0 gave align_tiny<short> 32 registers on sm_80, and spills.
+// Blocks past the first are fill blocks (p.fill_blocks of them, large LoRA fills): block 0
+// waits for their arrivals at p.ticket before its stores.
 template <typename IdT, bool DET>
 __global__ void __launch_bounds__(1024, 1) align_tiny(const Problem p) {
-  align_tiny_block<IdT, DET>(p);
+  if (blockIdx.x > 0) fill_and_arrive(p, blockIdx.x - 1, true, p.ticket);
+  else align_tiny_block<IdT, DET>(p);
 }
 
 // Base and LoRA alignment in one launch of two tiny blocks (block 0: `first`).

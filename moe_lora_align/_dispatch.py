@@ -74,6 +74,9 @@ class AlignPolicy:
     # write the sentinel fill beside the counting blocks (two blocks of FILL_SPLIT_BLOCK
     # threads an SM) instead of the counting blocks filling before they count.
     coop_fill_blocks_from: int = 0
+    # From this many output entries align_tiny (past one warp's routes) gets fill blocks:
+    # a block per fill_per_block entries writes the fill while block 0 counts.
+    tiny_fill_blocks_from: int = 16384
     chunk_matrix_budget: int = 1 << 18   # entries of the deterministic [chunks, buckets] matrix
 
 
@@ -130,8 +133,9 @@ class Launch:
     tiny: bool = False            # single: align_tiny (a thread per bucket), not align_single
     sorted: bool = False      # cooperative, deterministic: sorts every segment after a
                               #   second barrier (else ranks in flat order)
-    fill_grid: int = 0        # cooperative: the grid's last blocks, which only write the
-                              #   sentinel fill (the counting blocks fill when 0)
+    fill_grid: int = 0        # cooperative: the grid's last blocks, align_tiny: the blocks
+                              #   after the first, which only write the sentinel fill (the
+                              #   aligning blocks fill when 0)
     order_grid: int = 0       # > 0: then align_order, this many blocks, sorts every segment
                               #   (deterministic output from the free-order count + place)
     smem_order: int = 0       # dynamic shared bytes of align_order (the sort's scratch)
@@ -286,17 +290,23 @@ def tiny_warp_counter_bytes(numel: int, block: int, num_buckets: int) -> int:
 
 
 def _single_block(numel, num_buckets, rows, deterministic, limits, out_entries=0,
-                  use_tiny=True, policy: AlignPolicy = DEFAULT_POLICY):
+                  use_tiny=True, policy: AlignPolicy = DEFAULT_POLICY, fill_blocks=True):
     if numel > SINGLE_BLOCK_MAX_ROUTES:
         return None
     base = smem_one_block(num_buckets, rows)
     block = single_block_threads(numel, out_entries, num_buckets, policy)
-    tiny = (tiny_block_threads(numel, out_entries, num_buckets, policy)
+    # align_tiny's fill blocks (never on the one-warp path, which fills itself): block 0 is
+    # then sized without the fill
+    fill = (min(limits.sm_count - 1, _ceil_div(out_entries, policy.fill_per_block))
+            if fill_blocks and numel > WARP_ROUTES and out_entries >= policy.tiny_fill_blocks_from
+            else 0)
+    tiny = (tiny_block_threads(numel, 0 if fill else out_entries, num_buckets, policy)
             if policy.use_tiny and use_tiny else None)
     if tiny is not None:
         smem = base + (tiny_warp_counter_bytes(numel, tiny, num_buckets) if deterministic else 0)
         if smem <= limits.dynamic_smem:
-            return Launch("shared", "single", deterministic, tiny, smem_single=smem, tiny=True)
+            return Launch("shared", "single", deterministic, tiny, grid=1 + fill,
+                          smem_single=smem, tiny=True, fill_grid=fill)
     if not deterministic:
         if base > limits.dynamic_smem:
             return None
@@ -665,10 +675,11 @@ def choose_pair(numel: int, base_buckets: int, lora_buckets: int, rows: int,
     if (prefer_cooperative and not deterministic and limits.cooperative
             and out_entries > policy.coop_over_single_entries):
         return None
+    # Each side's block writes its own fill: the pair kernels have no fill blocks.
     base = _single_block(numel, base_buckets, 1, deterministic, limits,
-                         out_entries // max(rows, 1), policy=policy)
+                         out_entries // max(rows, 1), policy=policy, fill_blocks=False)
     lora = _single_block(numel, lora_buckets, rows, deterministic, limits, out_entries,
-                         policy=policy)
+                         policy=policy, fill_blocks=False)
     if base is None or lora is None:
         return None
     if base.tiny and lora.tiny:
@@ -789,6 +800,10 @@ def check_launch(launch, numel: int, sides, limits: DeviceLimits) -> None:
         elif kernel.startswith("cooperative") and grid > limits.sm_count * (
                 2 if two_blocks_an_sm(block, given, limits) else 1):
             why = f"{grid} blocks of {block} threads cannot all be resident on {limits.sm_count} SMs"
+        elif kernel in ("single", "pair", "tiny_pair") and launch.fill_grid:
+            why = f"{launch.fill_grid} fill blocks (only align_tiny and align_cooperative have them)"
+        elif kernel == "tiny" and grid != 1 + launch.fill_grid:
+            why = f"a grid of {grid} blocks, not one and its {launch.fill_grid} fill blocks"
         elif kernel == "cooperative" and launch.fill_grid and (
                 launch.fill_grid >= grid or block > FILL_SPLIT_BLOCK):
             why = (f"{launch.fill_grid} of {grid} blocks of {block} threads only filling "

@@ -183,7 +183,7 @@ def pack(job: Job, launch: _dispatch.Launch, ws: Workspace) -> None:
         int(launch.starts_in_smem), int(launch.stage_output), *division_magic(max(job.topk, 1)),
         *division_magic(job.block_size), *division_magic(job.num_experts),
         *division_magic(max(job.num_tiles, 1)), ws.buckets if coop else 0,
-        launch.grid if coop else 0, launch.fill_grid if coop else 0)
+        launch.grid if coop else 0, launch.fill_grid)
     job.packed = np.frombuffer(bytearray(raw), dtype=np.uint8)
     job.params = np.array([job.packed.ctypes.data], dtype=np.uint64)
     job.params_addr = job.params.ctypes.data

@@ -538,6 +538,37 @@ def test_guard_refuses_what_a_kernel_cannot_run(field, value, why):
         d.check_launch(bad, numel, [(nb, 32)], H200)
 
 
+def test_tiny_fill_blocks():
+    """align_tiny gets a block per fill_per_block output entries beside block 0 from
+    tiny_fill_blocks_from entries on: never on the one-warp path (it fills itself) nor in a
+    fused pair; block 0 is then sized without the fill."""
+    policy = d.DEFAULT_POLICY
+    entries = 16 * (128 + 256 * 15 + 248)  # LoRA T=16 K=8 E=256 B=16, 16 rows
+    launch = d.choose_launch(128, 16 * 256, 16, H200, out_entries=entries)
+    assert launch.kind == "single" and launch.tiny
+    assert launch.fill_grid == -(-entries // policy.fill_per_block) and launch.grid == 1 + launch.fill_grid
+    assert launch.block == d.tiny_block_threads(128, 0, 16 * 256)
+    # below the threshold, or one warp's routes: block 0 fills
+    for numel, out in ((128, policy.tiny_fill_blocks_from - 1), (d.WARP_ROUTES, 50000)):
+        small = d.choose_launch(numel, 16 * 64, 16, H200, out_entries=out)
+        assert small.tiny and small.grid == 1 and not small.fill_grid
+    at = d.choose_launch(d.WARP_ROUTES + 1, 16 * 64, 16, H200, out_entries=50000)
+    assert at.tiny and at.fill_grid
+    # never more blocks than SMs
+    most = d.choose_launch(4096, 16 * 256, 16, H200, out_entries=10**8,
+                           policy=d.AlignPolicy(coop_over_single_entries=10**9))
+    assert most.tiny and most.grid == H200.sm_count
+    pair = d.choose_pair(128, 256, 16 * 256, 16, H200, out_entries=entries)
+    assert pair.tiny and pair.grid == 2 and not pair.fill_grid
+    import dataclasses
+    with pytest.raises(d.LaunchRefused, match="not one and its"):
+        d.check_launch(dataclasses.replace(launch, grid=1), 128, [(16 * 256, 16)], H200)
+    with pytest.raises(d.LaunchRefused, match="only align_tiny"):
+        d.check_launch(dataclasses.replace(pair, fill_grid=1), 128,
+                       [(256, 1), (16 * 256, 16)], H200)
+    d.check_launch(launch, 128, [(16 * 256, 16)], H200)
+
+
 def test_guard_refuses_a_cooperative_grid_that_cannot_be_resident():
     import dataclasses
     launch = d.choose_launch(8192, 256, 1, H200, variant="cooperative", policy=NO_FILL_BLOCKS)

@@ -346,6 +346,50 @@ def test_lora_cooperative_with_and_without_fill_blocks(E, T, rows, det, how):
                    policy=COOP_FILL[how], allocate=salt == 1, disabled=1 + salt)
 
 
+# align_tiny with fill blocks (blocks past the first write the sentinel fill and the tiles'
+# -1; block 0 waits for them before its stores) and without, each asked for by its policy
+# (one block up to any fill size): base and LoRA, free order and deterministic, a thread a
+# bucket and four, just past one warp's routes, more than 32 rows, listed, disabled and
+# unprocessed rows (allocated outputs fill them), an expert map.
+BIG_SINGLE = 1 << 30
+TINY_FILL = {"tiny_fill_blocks": mla.AlignPolicy(tiny_fill_blocks_from=0,
+                                                  coop_over_single_entries=BIG_SINGLE),
+             "no_tiny_fill_blocks": mla.AlignPolicy(tiny_fill_blocks_from=1 << 62,
+                                                     coop_over_single_entries=BIG_SINGLE)}
+
+
+def _tiny_fill_launch(numel, buckets, rows, det, how):
+    launch = mla._dispatch.choose_launch(numel, buckets, rows, mla._launch.device_limits(0),
+                                         deterministic=det, out_entries=numel,
+                                         policy=TINY_FILL[how])
+    if not (launch.kind == "single" and launch.tiny):
+        pytest.skip(f"{numel} routes over {buckets} buckets are not align_tiny's")
+    assert bool(launch.fill_grid) == (how == "tiny_fill_blocks" and numel > WARP_ROUTES)
+
+
+@pytest.mark.parametrize("how", list(TINY_FILL))
+@pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
+@pytest.mark.parametrize("E,T,K", [(64, 33, 1), (1024, 16, 8), (257, 255, 8), (7, 512, 8),
+                                   (64, 4, 8)])
+def test_base_tiny_with_and_without_fill_blocks(E, T, K, det, how):
+    _tiny_fill_launch(T * K, E, 1, det, how)
+    for salt in range(2):
+        _base_case(E, T, None, det, salt=110 + salt, topk=K, policy=TINY_FILL[how],
+                   expert_map_mode=(None, "after")[salt], scatter=salt == 1)
+
+
+@pytest.mark.parametrize("how", list(TINY_FILL))
+@pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
+@pytest.mark.parametrize("E,T,rows", [(64, 5, 16), (256, 16, 16), (64, 16, 16), (256, 255, 16),
+                                      (64, 64, 4), (7, 100, 33), (128, 2, 16)])
+def test_lora_tiny_with_and_without_fill_blocks(E, T, rows, det, how):
+    _tiny_fill_launch(T * 8, rows * E, rows, det, how)
+    for salt in range(3):
+        _lora_case(E, T, None, det, salt=115 + salt, topk=8, max_loras=rows,
+                   policy=TINY_FILL[how], allocate=salt == 1, with_ids=salt != 2,
+                   disabled=salt, use_map=salt == 2)
+
+
 @pytest.mark.parametrize("mode", ["before", "after"])
 @pytest.mark.parametrize("variant", [None, "shared", "global", "cooperative", "cluster"])
 @pytest.mark.parametrize("E,T", [(64, 3), (257, 255), (256, 4096), (64, 65536)])
