@@ -373,8 +373,8 @@ __device__ __forceinline__ void align_tiny_block(const Problem& p) {
 }
 
 // (1024, 1): with (1024) alone NVRTC 13.0 gave align_tiny<short> 32 registers on sm_80, and spills.
-// Blocks past the first are fill blocks (p.fill_blocks of them, large LoRA fills): block 0
-// waits for their arrivals at p.ticket before its stores.
+// Blocks past the first are fill blocks (p.fill_blocks of them, large LoRA fills; the launch
+// is then cooperative): block 0 waits for their arrivals at p.ticket before its stores.
 template <typename IdT, bool DET>
 __global__ void __launch_bounds__(1024, 1) align_tiny(const Problem p) {
   if (blockIdx.x > 0) fill_and_arrive(p, blockIdx.x - 1, true, p.ticket);

@@ -295,11 +295,12 @@ def _single_block(numel, num_buckets, rows, deterministic, limits, out_entries=0
         return None
     base = smem_one_block(num_buckets, rows)
     block = single_block_threads(numel, out_entries, num_buckets, policy)
-    # align_tiny's fill blocks (never on the one-warp path, which fills itself): block 0 is
-    # then sized without the fill
+    # align_tiny's fill blocks (never on the one-warp path, which fills itself), in a
+    # cooperative launch (block 0 waits for them: all must be resident); block 0 is then
+    # sized without the fill
     fill = (min(limits.sm_count - 1, _ceil_div(out_entries, policy.fill_per_block))
-            if fill_blocks and numel > WARP_ROUTES and out_entries >= policy.tiny_fill_blocks_from
-            else 0)
+            if fill_blocks and limits.cooperative and numel > WARP_ROUTES
+            and out_entries >= policy.tiny_fill_blocks_from else 0)
     tiny = (tiny_block_threads(numel, 0 if fill else out_entries, num_buckets, policy)
             if policy.use_tiny and use_tiny else None)
     if tiny is not None:
@@ -732,7 +733,9 @@ def launch_kernels(launch, fused: bool = False) -> list:
     if launch.kind == "single":
         name = ("tiny" if launch.tiny else "single") if not fused else (
             "tiny_pair" if launch.tiny else "pair")
-        kernels = [((name, det), launch.grid, launch.block, launch.smem_single, False)]
+        # align_tiny with fill blocks: cooperative, so that block 0's wait for them returns
+        kernels = [((name, det), launch.grid, launch.block, launch.smem_single,
+                    launch.fill_grid > 0)]
     elif launch.kind == "cluster":
         kernels = [(("cluster_pair" if fused else "cluster", det), launch.grid, launch.block,
                     launch.smem_place, False)]
@@ -804,6 +807,12 @@ def check_launch(launch, numel: int, sides, limits: DeviceLimits) -> None:
             why = f"{launch.fill_grid} fill blocks (only align_tiny and align_cooperative have them)"
         elif kernel == "tiny" and grid != 1 + launch.fill_grid:
             why = f"a grid of {grid} blocks, not one and its {launch.fill_grid} fill blocks"
+        elif kernel == "tiny" and grid > limits.sm_count:
+            why = f"{grid} blocks cannot all be resident on {limits.sm_count} SMs"
+        elif kernel == "cooperative" and launch.chunk > COOP_ITEMS * block:
+            why = f"chunks of {launch.chunk} routes, more than {COOP_ITEMS} a thread of {block}"
+        elif kernel == "cooperative" and launch.sorted and block != BLOCK:
+            why = f"the segment sort in blocks of {block} threads (it needs {BLOCK})"
         elif kernel == "cooperative" and launch.fill_grid and (
                 launch.fill_grid >= grid or block > FILL_SPLIT_BLOCK):
             why = (f"{launch.fill_grid} of {grid} blocks of {block} threads only filling "

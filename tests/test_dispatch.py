@@ -567,6 +567,12 @@ def test_tiny_fill_blocks():
         d.check_launch(dataclasses.replace(pair, fill_grid=1), 128,
                        [(256, 1), (16 * 256, 16)], H200)
     d.check_launch(launch, 128, [(16 * 256, 16)], H200)
+    # a cooperative launch (block 0 waits for them): none where there is no such launch
+    assert d.launch_kernels(launch)[0][4] and not d.launch_kernels(pair, fused=True)[0][4]
+    assert not d.choose_launch(128, 16 * 256, 16, NO_COOP, out_entries=entries).fill_grid
+    with pytest.raises(d.LaunchRefused, match="resident"):
+        d.check_launch(dataclasses.replace(launch, grid=H200.sm_count + 1,
+                                           fill_grid=H200.sm_count), 128, [(16 * 256, 16)], H200)
 
 
 def test_guard_refuses_a_cooperative_grid_that_cannot_be_resident():
@@ -586,6 +592,15 @@ def test_guard_refuses_a_cooperative_grid_that_cannot_be_resident():
                 dataclasses.replace(split, fill_grid=split.grid)):
         with pytest.raises(d.LaunchRefused, match="only filling"):
             d.check_launch(bad, 8192, [(256, 1)], H200)
+    # The segment sort needs blocks of BLOCK threads; at most COOP_ITEMS routes a thread
+    with pytest.raises(d.LaunchRefused, match="segment sort"):
+        d.check_launch(dataclasses.replace(split, sorted=True, deterministic=True,
+                                           smem_place=100000), 8192,
+                       [(256, 1)], H200)
+    with pytest.raises(d.LaunchRefused, match="a thread of 512"):
+        d.check_launch(dataclasses.replace(split, chunk=d.COOP_ITEMS * 512 + 1,
+                                           smem_place=100000), 8192,
+                       [(256, 1)], H200)
 
 
 @pytest.mark.parametrize("rows", [1, 4, 16, 64])
