@@ -381,8 +381,10 @@ __global__ void __launch_bounds__(1024, 1) align_tiny(const Problem p) {
   else align_tiny_block<IdT, DET>(p);
 }
 
-// Base and LoRA alignment in one launch of two tiny blocks (block 0: `first`).
+// Base and LoRA alignment in one launch of two tiny blocks (block 0: `first`), then the
+// fill blocks of `second` (second.fill_blocks of them; the launch is then cooperative).
 template <typename IdT, bool DET>
 __global__ void __launch_bounds__(1024, 1) align_tiny_pair(const Problem first, const Problem second) {
-  align_tiny_block<IdT, DET>(blockIdx.x == 0 ? first : second);
+  if (blockIdx.x >= 2) fill_and_arrive(second, blockIdx.x - 2, true, second.ticket);
+  else align_tiny_block<IdT, DET>(blockIdx.x == 0 ? first : second);
 }

@@ -289,18 +289,27 @@ def tiny_warp_counter_bytes(numel: int, block: int, num_buckets: int) -> int:
     return 2 * _ceil_div(numel, 32 * items) * (num_buckets + (num_buckets & 1))
 
 
+def tiny_fill_blocks(numel: int, out_entries: int, limits: DeviceLimits,
+                     policy: AlignPolicy = DEFAULT_POLICY, aligning: int = 1) -> int:
+    """Fill blocks of an align_tiny launch (or of the LoRA side of the fused tiny pair) beside
+    its ``aligning`` blocks: one per ``fill_per_block`` output entries from
+    ``tiny_fill_blocks_from`` on, the launch within the SMs; none on the one-warp path (which
+    fills itself) or where the launch cannot be cooperative (the aligning blocks wait for the
+    fill blocks, so all must be resident). The aligning blocks are then sized without the
+    fill."""
+    if (not limits.cooperative or numel <= WARP_ROUTES
+            or out_entries < policy.tiny_fill_blocks_from):
+        return 0
+    return max(0, min(limits.sm_count - aligning, _ceil_div(out_entries, policy.fill_per_block)))
+
+
 def _single_block(numel, num_buckets, rows, deterministic, limits, out_entries=0,
                   use_tiny=True, policy: AlignPolicy = DEFAULT_POLICY, fill_blocks=True):
     if numel > SINGLE_BLOCK_MAX_ROUTES:
         return None
     base = smem_one_block(num_buckets, rows)
     block = single_block_threads(numel, out_entries, num_buckets, policy)
-    # align_tiny's fill blocks (never on the one-warp path, which fills itself), in a
-    # cooperative launch (block 0 waits for them: all must be resident); block 0 is then
-    # sized without the fill
-    fill = (min(limits.sm_count - 1, _ceil_div(out_entries, policy.fill_per_block))
-            if fill_blocks and limits.cooperative and numel > WARP_ROUTES
-            and out_entries >= policy.tiny_fill_blocks_from else 0)
+    fill = tiny_fill_blocks(numel, out_entries, limits, policy) if fill_blocks else 0
     tiny = (tiny_block_threads(numel, 0 if fill else out_entries, num_buckets, policy)
             if policy.use_tiny and use_tiny else None)
     if tiny is not None:
@@ -676,11 +685,13 @@ def choose_pair(numel: int, base_buckets: int, lora_buckets: int, rows: int,
     if (prefer_cooperative and not deterministic and limits.cooperative
             and out_entries > policy.coop_over_single_entries):
         return None
-    # Each side's block writes its own fill: the pair kernels have no fill blocks.
+    # The base side's block writes its own fill; the LoRA side's may have fill blocks (the
+    # tiny pair only: blocks 2.. of its launch), and its block is then sized without it.
+    fill = tiny_fill_blocks(numel, out_entries, limits, policy, aligning=2)
     base = _single_block(numel, base_buckets, 1, deterministic, limits,
                          out_entries // max(rows, 1), policy=policy, fill_blocks=False)
-    lora = _single_block(numel, lora_buckets, rows, deterministic, limits, out_entries,
-                         policy=policy, fill_blocks=False)
+    lora = _single_block(numel, lora_buckets, rows, deterministic, limits,
+                         0 if fill else out_entries, policy=policy, fill_blocks=False)
     if base is None or lora is None:
         return None
     if base.tiny and lora.tiny:
@@ -690,8 +701,8 @@ def choose_pair(numel: int, base_buckets: int, lora_buckets: int, rows: int,
             smem = max(smem_one_block(nb, r, tiny_warp_counter_bytes(numel, block, nb))
                        for nb, r in ((base_buckets, 1), (lora_buckets, rows)))
         if smem <= limits.dynamic_smem:
-            return Launch("shared", "single", deterministic, block, grid=2, smem_single=smem,
-                          tiny=True)
+            return Launch("shared", "single", deterministic, block, grid=2 + fill,
+                          smem_single=smem, tiny=True, fill_grid=fill)
     if base.tiny or lora.tiny:  # two align_single blocks, each side sized for that kernel
         base, lora = (_single_block(numel, nb, r, deterministic, limits, e, use_tiny=False,
                                     policy=policy)
@@ -803,11 +814,13 @@ def check_launch(launch, numel: int, sides, limits: DeviceLimits) -> None:
         elif kernel.startswith("cooperative") and grid > limits.sm_count * (
                 2 if two_blocks_an_sm(block, given, limits) else 1):
             why = f"{grid} blocks of {block} threads cannot all be resident on {limits.sm_count} SMs"
-        elif kernel in ("single", "pair", "tiny_pair") and launch.fill_grid:
-            why = f"{launch.fill_grid} fill blocks (only align_tiny and align_cooperative have them)"
-        elif kernel == "tiny" and grid != 1 + launch.fill_grid:
-            why = f"a grid of {grid} blocks, not one and its {launch.fill_grid} fill blocks"
-        elif kernel == "tiny" and grid > limits.sm_count:
+        elif kernel in ("single", "pair") and launch.fill_grid:
+            why = (f"{launch.fill_grid} fill blocks (only align_tiny, its pair and "
+                   "align_cooperative have them)")
+        elif kernel in ("tiny", "tiny_pair") and grid != len(sides) + launch.fill_grid:
+            why = (f"a grid of {grid} blocks, not {len(sides)} and {launch.fill_grid} fill "
+                   "blocks")
+        elif kernel in ("tiny", "tiny_pair") and launch.fill_grid and grid > limits.sm_count:
             why = f"{grid} blocks cannot all be resident on {limits.sm_count} SMs"
         elif kernel == "cooperative" and launch.chunk > COOP_ITEMS * block:
             why = f"chunks of {launch.chunk} routes, more than {COOP_ITEMS} a thread of {block}"

@@ -540,8 +540,9 @@ def test_guard_refuses_what_a_kernel_cannot_run(field, value, why):
 
 def test_tiny_fill_blocks():
     """align_tiny gets a block per fill_per_block output entries beside block 0 from
-    tiny_fill_blocks_from entries on: never on the one-warp path (it fills itself) nor in a
-    fused pair; block 0 is then sized without the fill."""
+    tiny_fill_blocks_from entries on, and the fused tiny pair beside its two blocks for its
+    LoRA side: never on the one-warp path (it fills itself); the aligning block is then
+    sized without the fill."""
     policy = d.DEFAULT_POLICY
     entries = 16 * (128 + 256 * 15 + 248)  # LoRA T=16 K=8 E=256 B=16, 16 rows
     launch = d.choose_launch(128, 16 * 256, 16, H200, out_entries=entries)
@@ -559,16 +560,27 @@ def test_tiny_fill_blocks():
                            policy=d.AlignPolicy(coop_over_single_entries=10**9))
     assert most.tiny and most.grid == H200.sm_count
     pair = d.choose_pair(128, 256, 16 * 256, 16, H200, out_entries=entries)
-    assert pair.tiny and pair.grid == 2 and not pair.fill_grid
+    assert pair.tiny and pair.fill_grid == launch.fill_grid and pair.grid == 2 + pair.fill_grid
+    sides = [(256, 1), (16 * 256, 16)]
+    d.check_launch(pair, 128, sides, H200)
+    small = d.choose_pair(128, 256, 16 * 64, 16, H200,
+                          out_entries=policy.tiny_fill_blocks_from - 1)
+    assert small.tiny and small.grid == 2 and not small.fill_grid
     import dataclasses
-    with pytest.raises(d.LaunchRefused, match="not one and its"):
+    with pytest.raises(d.LaunchRefused, match="not 1 and"):
         d.check_launch(dataclasses.replace(launch, grid=1), 128, [(16 * 256, 16)], H200)
+    with pytest.raises(d.LaunchRefused, match="not 2 and"):
+        d.check_launch(dataclasses.replace(pair, grid=2), 128, sides, H200)
+    single = d.choose_pair(128, 256, 16 * 256, 16, H200, out_entries=entries,
+                           policy=d.AlignPolicy(use_tiny=False))
+    assert not single.tiny and not single.fill_grid
     with pytest.raises(d.LaunchRefused, match="only align_tiny"):
-        d.check_launch(dataclasses.replace(pair, fill_grid=1), 128,
-                       [(256, 1), (16 * 256, 16)], H200)
+        d.check_launch(dataclasses.replace(single, fill_grid=1), 128, sides, H200)
     d.check_launch(launch, 128, [(16 * 256, 16)], H200)
     # a cooperative launch (block 0 waits for them): none where there is no such launch
-    assert d.launch_kernels(launch)[0][4] and not d.launch_kernels(pair, fused=True)[0][4]
+    assert d.launch_kernels(launch)[0][4] and d.launch_kernels(pair, fused=True)[0][4]
+    assert not d.launch_kernels(small, fused=True)[0][4]
+    assert not d.choose_pair(128, 256, 16 * 256, 16, NO_COOP, out_entries=entries).fill_grid
     assert not d.choose_launch(128, 16 * 256, 16, NO_COOP, out_entries=entries).fill_grid
     with pytest.raises(d.LaunchRefused, match="resident"):
         d.check_launch(dataclasses.replace(launch, grid=H200.sm_count + 1,
