@@ -303,6 +303,17 @@ def test_cooperative_scratch_serves_calls_of_any_size_in_turn():
             _base_case(E, T, "cooperative", det, salt=20 + n)
 
 
+def test_ordered_cooperative_totals_leave_the_scratch_clean():
+    """The ordered path writes each bucket's total into its count buffer where the other
+    paths add to zeroed counts: free calls on either buffer after it, and ordered calls after
+    free ones, of more and fewer buckets, stay exact."""
+    for n, (E, det) in enumerate([(256, True), (256, False), (256, False), (512, True),
+                                  (64, False), (1024, False), (512, False), (256, True),
+                                  (64, True), (1024, False)]):
+        _base_case(E, 16384, "cooperative", det, salt=40 + n,
+                   policy=mla.AlignPolicy(sort_for_determinism=False))
+
+
 # align_cooperative with fill blocks (blocks of FILL_SPLIT_BLOCK threads, two an SM, the last
 # ones only writing the sentinel fill) and without (a block of 1024 an SM, the counting
 # blocks filling first), each asked for by its policy: base and LoRA, free order and ordered
