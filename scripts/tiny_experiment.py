@@ -5,20 +5,21 @@
 
 Every case is timed with graph replay (moe_lora_align.bench.graph_us) under each of RUNS'
 dispatcher settings: align_tiny as dispatched ("tiny"), align_tiny with four buckets a
-thread wherever its block has fewer threads than buckets ("tiny4"), align_single
-("single"), and the dispatcher's default but with one block up to any fill size ("no
-coop": the cooperative launch otherwise takes the largest LoRA fills),
-``deterministic=True`` through align_tiny ("det") and through align_single ("det single"),
-the cooperative launch without fill blocks ("no fill blocks", "det no fill blocks":
-its counting blocks fill first; the prefill cases), and align_tiny without fill blocks ("no
-tiny fill blocks", "det no tiny fill blocks", "no coop no tiny fill blocks": block 0 fills
-first). Sources of earlier commits (``--baseline``, ``--variant``) run without fill blocks.
-With ``--baseline``
-also align_tiny compiled from the kernel sources in DIR (an earlier commit's ``kernels/``,
-cases it can run: a thread per bucket), and with each ``--variant`` the kernel sources in
-DIR under the default dispatcher but a thread per bucket up to 1024 buckets (NAME=DIR:1:
-sources that have only that; NAME=DIR:det: with ``deterministic=True``). Runs take turns, three times, so drift hits all; each result
-is checked against the NumPy backend first.
+thread wherever its block has fewer threads than buckets ("tiny4"), align_single ("single"),
+and the dispatcher's default but with one block up to any fill size ("no coop": the
+cooperative launch otherwise takes the largest LoRA fills), ``deterministic=True`` through
+align_tiny ("det") and through align_single ("det single"), the cooperative launch without
+fill blocks ("no fill blocks", "det no fill blocks": its counting blocks fill first; the
+prefill cases), and align_tiny without fill blocks ("no tiny fill blocks", "det no tiny fill
+blocks", "no coop no tiny fill blocks": block 0 fills first), and the mid band through
+align_tiny instead of the cluster, without and with fill blocks ("no cluster", "no cluster
+tiny fill blocks"). Sources of earlier commits (``--baseline``, ``--variant``) run without
+fill blocks. With ``--baseline`` also align_tiny compiled from the kernel sources in DIR (an
+earlier commit's ``kernels/``, cases it can run: a thread per bucket), and with each
+``--variant`` the kernel sources in DIR under the default dispatcher but a thread per bucket
+up to 1024 buckets (NAME=DIR:1: sources that have only that; NAME=DIR:det: with
+``deterministic=True``). Runs take turns, three times, so drift hits all; each result is
+checked against the NumPy backend first.
 """
 from __future__ import annotations
 
@@ -115,7 +116,10 @@ RUNS = [  # name, AlignPolicy fields, kernel sources (None: the package's), one 
     ("no tiny fill blocks", {"tiny_fill_blocks_from": 1 << 62}, None, False, False),
     ("det no tiny fill blocks", {"tiny_fill_blocks_from": 1 << 62}, None, False, True),
     ("no coop no tiny fill blocks", {"coop_over_single_entries": 1 << 30,
-                                     "tiny_fill_blocks_from": 1 << 62}, None, False, False)]
+                                     "tiny_fill_blocks_from": 1 << 62}, None, False, False),
+    ("no cluster", {"cluster_min_routes": 1 << 30}, None, False, False),
+    ("no cluster tiny fill blocks", {"cluster_min_routes": 1 << 30, "tiny_fill_blocks_from": 0},
+     None, False, False)]
 
 def medians_in_turns(names, time_run, turns=3):
     """One case's µs under each named run, the runs taking turns ``turns`` times so drift hits
