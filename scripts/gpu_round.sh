@@ -17,6 +17,11 @@
 #              has no .git) and stage_probe.py --stamps-only (STAMPS_ONLY); each kernel set
 #              compiles for about 15 s first, so give them minutes (DECODE_S, STAMPS_S)
 #   stamps     stage_probe.py --stamps-only alone (STAMPS_ONLY, STAMPS_S): stamps_only.txt
+#   ab         scripts/tiny_experiment.py once for each line of AB_FILE (default
+#              scripts/ab_runs.txt, where the next round's A/B runs are listed: its arguments,
+#              quoted as in a shell; '#' lines are comments); AB_PICK: the line numbers to run
+#              (counting argument lines only, from 1; default all); AB_S: seconds each.
+#              Into ab.txt, and the results of every line into ab.json
 # Old spellings: quick = tests memcheck racecheck bench; full = the same with benchfull.
 set -u
 OUT=${OUT:-$PWD/gpu-out}
@@ -109,6 +114,20 @@ for s in $STEPS; do
     stamps)
       step "stage stamps"
       stamps "$OUT/stamps_only.txt" ;;
+    ab)
+      n=0
+      rm -f /tmp/ab[0-9]*.json
+      while IFS= read -r line; do
+        case $line in ''|'#'*) continue ;; esac
+        n=$((n + 1))
+        if [ -n "${AB_PICK:-}" ] && ! [[ " $AB_PICK " == *" $n "* ]]; then continue; fi
+        step "A/B $n: $line" | tee -a "$OUT/ab.txt"
+        eval "args=($line)"
+        timeout ${AB_S:-300} python3 scripts/tiny_experiment.py "${args[@]}" \
+          --json "/tmp/ab$n.json" 2>&1 | tee -a "$OUT/ab.txt" | tail -30
+        echo "ab$n rc=${PIPESTATUS[0]}"
+      done < "${AB_FILE:-scripts/ab_runs.txt}"
+      python3 -c 'import glob, json, sys; json.dump({p[5:-5]: json.load(open(p)) for p in sorted(glob.glob("/tmp/ab[0-9]*.json"))}, open(sys.argv[1], "w"), indent=1)' "$OUT/ab.json" ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac
 done
