@@ -1,0 +1,90 @@
+"""Every run of scripts/tiny_experiment.py, on every case it times, dispatches on an H200's
+limits to a launch that the launch guard accepts: a run whose policy leads nowhere shows
+here, on the host, and not as lost minutes on the GPU machine."""
+
+import sys
+from types import SimpleNamespace
+from unittest import mock
+
+import pytest
+
+import moe_lora_align as mla
+from moe_lora_align import _dispatch, _launch
+
+SCRIPTS = __import__("pathlib").Path(__file__).resolve().parent.parent / "scripts"
+H200 = _dispatch.DeviceLimits.h200()
+
+
+@pytest.fixture(scope="module")
+def experiment():
+    fake = mock.MagicMock(name="cupy")
+    with mock.patch.dict(sys.modules, {"cupy": fake, "cupy.cuda": fake}):
+        sys.path.insert(0, str(SCRIPTS))
+        try:
+            sys.modules.pop("tiny_experiment", None)
+            import tiny_experiment
+        finally:
+            sys.path.remove(str(SCRIPTS))
+            sys.modules.pop("tiny_experiment", None)
+    return tiny_experiment
+
+
+def _job(T, K, E, B, rows, det):
+    P, M = mla.buffer_sizes(T * K, E, B)
+    return SimpleNamespace(numel=T * K, num_buckets=rows * E, rows=rows, padded_len=P,
+                           num_tiles=M, deterministic=det)
+
+
+def _dispatch_case(case, policy, det, monkeypatch):
+    op, T, E, K, B, L = case
+    if op == "pair":
+        monkeypatch.setattr(_launch, "device_limits", lambda device_id: H200)
+        _launch.choose_streams(_job(T, K, E, B, 1, det), _job(T, K, E, B, L, det), 0,
+                               policy=policy)
+        return
+    job = _job(T, K, E, B, L or 1, det)
+    _launch.checked_launch(job.numel, job.num_buckets, job.rows, H200, det, None,
+                           _launch.out_entries(job), policy)
+
+
+def test_every_run_dispatches_every_case(experiment, monkeypatch):
+    checked = 0
+    for name, settings, _, one_only, det in experiment.RUNS + [
+            ("variant", experiment.ONE, None, True, False),
+            ("variant det", experiment.ONE, None, False, True)]:
+        policy = mla.AlignPolicy(**settings)
+        for case in experiment.CASES:
+            if one_only and case[2] * (case[5] or 1) > 1024:
+                continue  # as tiny_experiment skips it
+            try:
+                _dispatch_case(case, policy, det, monkeypatch)
+            except Exception as e:  # noqa: BLE001 - named with the run and case
+                raise AssertionError(f"run {name!r}, case {case}: {e}") from e
+            checked += 1
+    assert checked > 100
+
+
+def test_the_next_rounds_ab_lines_name_runs_and_cases_that_exist(experiment):
+    """scripts/ab_runs.txt (gpu_round.sh's `ab` step): each line names runs tiny_experiment
+    has, variants it can parse, and case filters that keep at least one case."""
+    import shlex
+
+    path = SCRIPTS / "ab_runs.txt"
+    if not path.exists():
+        pytest.skip("no A/B runs are listed for the next round")
+    names = {r[0] for r in experiment.RUNS}
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip() and ln[0] != "#"]
+    assert lines
+    for line in lines:
+        args = shlex.split(line)
+        opts = dict(zip(args[::2], args[1::2]))
+        assert len(args) % 2 == 0 and set(args[::2]) <= {"--runs", "--cases", "--variant",
+                                                          "--baseline"}, line
+        assert set(opts["--runs"].split(",")) <= names, line
+        for i, word in enumerate(args):
+            if word == "--variant":
+                name, spec = args[i + 1].split("=", 1)
+                assert name and set(spec.split(":")[1:]) <= {"1", "det"}, line
+        parts = [p for p in opts.get("--cases", "").split("|") if p]
+        for part in parts:
+            assert any(part in str(case) for case in experiment.CASES), (line, part)
