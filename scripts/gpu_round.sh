@@ -126,7 +126,7 @@ for s in $STEPS; do
         step "A/B $n: $line" | tee -a "$OUT/ab.txt"
         eval "args=($line)"
         timeout ${AB_S:-300} python3 scripts/tiny_experiment.py "${args[@]}" \
-          --json "/tmp/ab$n.json" 2>&1 | tee -a "$OUT/ab.txt" | tail -30
+          --json "/tmp/ab$n.json" < /dev/null 2>&1 | tee -a "$OUT/ab.txt" | tail -30
         echo "ab$n rc=${PIPESTATUS[0]}"
       done < "${AB_FILE:-scripts/ab_runs.txt}"
       python3 -c 'import glob, json, sys; json.dump({p[5:-5]: json.load(open(p)) for p in sorted(glob.glob("/tmp/ab[0-9]*.json"))}, open(sys.argv[1], "w"), indent=1)' "$OUT/ab.json" ;;
