@@ -16,8 +16,9 @@
 #              of an earlier commit's kernels/, copied in as an untracked folder; the device
 #              has no .git) and stage_probe.py --stamps-only (STAMPS_ONLY); each kernel set
 #              compiles for about 15 s first, so give them minutes (DECODE_S, STAMPS_S)
-#   stamps     stage_probe.py --stamps-only alone (STAMPS_ONLY, STAMPS_S; STAMPS_POLICY: its
-#              --policy, AlignPolicy fields as NAME=INT,...): stamps_only.txt
+#   stamps     stage_probe.py --stamps-only alone (STAMPS_ONLY, STAMPS_S): stamps_only.txt;
+#              with STAMPS_POLICY (AlignPolicy fields as NAME=INT,...) a second run under that
+#              policy: stamps_only_policy.txt
 #   ab         scripts/tiny_experiment.py once for each line of AB_FILE (default
 #              scripts/ab_runs.txt, where the next round's A/B runs are listed: its arguments,
 #              quoted as in a shell; '#' lines are comments); AB_PICK: the line numbers to run
@@ -29,12 +30,17 @@ OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 step() { echo; echo "=== $* ($(date +%T))"; }
-# stage_probe.py's probe build and stamps of the STAMPS_ONLY cases, into the file given.
+# stage_probe.py's probe build and stamps of the STAMPS_ONLY cases, into the file given;
+# with STAMPS_POLICY, once more under that policy, into FILE_policy.txt.
 stamps() {
-  timeout ${STAMPS_S:-180} python3 scripts/stage_probe.py --stamps-only \
-    --only "${STAMPS_ONLY:-"', 1, "}" ${STAMPS_POLICY:+--policy "$STAMPS_POLICY"} \
-    --out /tmp/stage-probe 2>&1 | tee "$1" | tail -40
-  echo "stamps rc=${PIPESTATUS[0]}"
+  local file=$1 policy
+  for policy in "" ${STAMPS_POLICY:+"$STAMPS_POLICY"}; do
+    timeout ${STAMPS_S:-180} python3 scripts/stage_probe.py --stamps-only \
+      --only "${STAMPS_ONLY:-"', 1, "}" ${policy:+--policy "$policy"} \
+      --out /tmp/stage-probe 2>&1 | tee "$file" | tail -40
+    echo "stamps${policy:+ ($policy)} rc=${PIPESTATUS[0]}"
+    file=${1%.txt}_policy.txt
+  done
 }
 STEPS="$*"
 [ "$STEPS" = quick ] || [ -z "$STEPS" ] && STEPS="tests memcheck racecheck bench"
