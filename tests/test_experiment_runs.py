@@ -2,7 +2,9 @@
 limits to a launch that the launch guard accepts: a run whose policy leads nowhere shows
 here, on the host, and not as lost minutes on the GPU machine."""
 
+import shlex
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
 
@@ -11,7 +13,7 @@ import pytest
 import moe_lora_align as mla
 from moe_lora_align import _dispatch, _launch
 
-SCRIPTS = __import__("pathlib").Path(__file__).resolve().parent.parent / "scripts"
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 H200 = _dispatch.DeviceLimits.h200()
 
 
@@ -67,8 +69,6 @@ def test_every_run_dispatches_every_case(experiment, monkeypatch):
 def test_the_next_rounds_ab_lines_name_runs_and_cases_that_exist(experiment):
     """scripts/ab_runs.txt (gpu_round.sh's `ab` step): each line names runs tiny_experiment
     has, variants it can parse, and case filters that keep at least one case."""
-    import shlex
-
     path = SCRIPTS / "ab_runs.txt"
     if not path.exists():
         pytest.skip("no A/B runs are listed for the next round")
