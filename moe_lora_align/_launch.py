@@ -92,21 +92,27 @@ class Workspace:
             nm = max(matrix_entries, self.matrix, 1)
             with cupy.cuda.Device(self.device_id), (stream or contextlib.nullcontext()):
                 # One allocation, zeroed once; the kernels restore the zeros they rely on.
-                self.buf = cupy.zeros(workspace_entries(nb, nm), dtype=np.int32)
+                buf = cupy.zeros(workspace_entries(nb, nm), dtype=np.int32)
                 if stream is None:
                     cupy.cuda.get_current_stream().synchronize()
-            parts, at = {}, 0
-            # The cooperative kernel's control words first: it reads four in one 16-byte load.
-            for name, n in (("coop_control", COOP_CONTROL_WORDS), ("counts", nb),
-                            ("starts", nb + 1), ("cursor", nb), ("chunk_hist", nm),
-                            ("ticket", 1), ("coop_counts", 2 * nb)):
-                parts[name], at = self.buf[at:at + n], at + n
-            self.counts, self.starts, self.cursor = parts["counts"], parts["starts"], parts["cursor"]
-            self.chunk_hist, self.ticket = parts["chunk_hist"], parts["ticket"]
-            self.coop_counts, self.coop_control = parts["coop_counts"], parts["coop_control"]
-            self.buckets, self.matrix = nb, nm
-            self.generation += 1
+            self._carve(buf, nb, nm)
         return self
+
+    def _carve(self, buf, nb: int, nm: int) -> None:
+        """Name the parts of ``buf``, a zeroed allocation of ``workspace_entries(nb, nm)``
+        (tests/emulator hands it NumPy memory)."""
+        self.buf = buf
+        parts, at = {}, 0
+        # The cooperative kernel's control words first: it reads four in one 16-byte load.
+        for name, n in (("coop_control", COOP_CONTROL_WORDS), ("counts", nb),
+                        ("starts", nb + 1), ("cursor", nb), ("chunk_hist", nm),
+                        ("ticket", 1), ("coop_counts", 2 * nb)):
+            parts[name], at = buf[at:at + n], at + n
+        self.counts, self.starts, self.cursor = parts["counts"], parts["starts"], parts["cursor"]
+        self.chunk_hist, self.ticket = parts["chunk_hist"], parts["ticket"]
+        self.coop_counts, self.coop_control = parts["coop_counts"], parts["coop_control"]
+        self.buckets, self.matrix = nb, nm
+        self.generation += 1
 
 
 @dataclass

@@ -1,0 +1,263 @@
+"""The alignment kernels on the CPU, for tests without a GPU.
+
+``build`` turns the kernels' CUDA source into C++ for ``cuda_emu.h`` (every thread a fiber,
+all blocks of a launch resident at once) and compiles it with the host's C++ compiler into a
+library cached under ``build/emulator``. ``emulated`` then swaps the driver call at the end of
+the package's own launch path (``_launch.launch_kernel``) for the emulator, so the
+dispatcher's choice, the workspace layout, the packed ``Problem`` and the order of launches
+are the package's; only the kernels run elsewhere. Arrays are NumPy arrays wrapped as
+``HostArray`` (what the packing reads of a device array: ``.data.ptr``).
+
+The source changes are mechanical and checked: the one dynamic shared-memory declaration,
+each ``__shared__`` variable (placed in the block's arena), and each inline-PTX statement,
+which must be one of ``PTX`` (an unknown one fails the build, so a new kernel cannot slip
+through untranslated).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+from moe_lora_align import _dispatch, _kernels, _launch
+
+HERE = Path(__file__).resolve().parent
+PRELUDE = HERE / "cuda_emu.h"
+CACHE = Path(os.environ.get("MLA_EMULATOR_CACHE",
+                            HERE.parent.parent / "build" / "emulator"))
+COMPILER = os.environ.get("CXX", "g++")
+# -fno-strict-aliasing: the kernels store int4 into int rows and read ushort counters from
+# int scratch, as CUDA allows.
+FLAGS = ("-std=c++17", "-O1", "-fno-strict-aliasing", "-fPIC", "-shared", "-w")
+
+# Inline PTX the kernels use -> the emulator's call ({0}, {1}...: outputs, then inputs).
+PTX = {
+    "mov.u32 %0, %%lanemask_lt;": "{0} = mla_emu::lanemask_lt();",
+    "ld.acquire.gpu.global.u32 %0, [%1];": "{0} = mla_emu::load_acquire({1});",
+    "mov.u32 %0, %%cluster_ctarank;": "{0} = mla_emu::cluster_ctarank();",
+    "barrier.cluster.arrive.aligned;": "mla_emu::cluster_arrive();",
+    "barrier.cluster.arrive.relaxed.aligned;": "mla_emu::cluster_arrive();",
+    "barrier.cluster.wait.aligned;": "mla_emu::cluster_wait();",
+    "mapa.u64 %0, %1, %2;": "{0} = mla_emu::mapa((const void*)({1}), {2});",
+    "mov.u64 %0, %%globaltimer;": "{0} = mla_emu::globaltimer();",
+}
+
+
+def compiler_available() -> bool:
+    return shutil.which(COMPILER) is not None
+
+
+def _split_top(text: str, sep: str):
+    """``text`` split at ``sep`` outside strings and brackets."""
+    parts, depth, cur, quote = [], 0, [], False
+    for ch in text:
+        if ch == '"':
+            quote = not quote
+        elif not quote and ch in "([":
+            depth += 1
+        elif not quote and ch in ")]":
+            depth -= 1
+        if ch == sep and depth == 0 and not quote:
+            parts.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    parts.append("".join(cur))
+    return parts
+
+
+def _operands(part: str):
+    """The expressions of ``"=r"(v), "l"(p)``."""
+    return [m.group(1).strip() for op in _split_top(part, ",") if op.strip()
+            for m in [re.fullmatch(r'\s*"[^"]*"\s*\((.*)\)\s*', op, re.S)]]
+
+
+def _translate_asm(source: str) -> str:
+    out, at = [], 0
+    for m in re.finditer(r"\basm\s*(?:volatile\s*)?\(", source):
+        if m.start() < at:
+            continue
+        depth, i = 1, m.end()
+        while depth:
+            depth += {"(": 1, ")": -1}.get(source[i], 0)
+            i += 1
+        end = source.index(";", i) + 1
+        parts = _split_top(source[m.end():i - 1], ":")
+        template = "".join(re.findall(r'"((?:[^"\\]|\\.)*)"', parts[0]))
+        if template not in PTX:
+            raise ValueError(f"the emulator does not know this inline PTX: {template!r}")
+        operands = [x for part in parts[1:3] for x in _operands(part)]
+        out += [source[at:m.start()], PTX[template].format(*operands)]
+        at = end
+    return "".join(out) + source[at:]
+
+
+def _translate_shared(source: str) -> str:
+    """Each ``__shared__ T a[n], b;`` becomes references into the block's arena."""
+    counter = iter(range(1 << 20))
+
+    def one(m):
+        indent, decl = m.group(1), m.group(2)
+        pieces = _split_top(decl, ",")
+        first = re.fullmatch(r"\s*(.*?)\s*\b(\w+)\s*((?:\[[^\]]*\])*)\s*", pieces[0])
+        ctype = first.group(1)
+        names = [(first.group(2), first.group(3))]
+        for piece in pieces[1:]:
+            more = re.fullmatch(r"\s*(\w+)\s*((?:\[[^\]]*\])*)\s*", piece)
+            names.append((more.group(1), more.group(2)))
+        return indent + " ".join(f"auto& {name} = mla_emu::shared_var<{ctype}{dims}>"
+                                 f"({next(counter)});" for name, dims in names)
+
+    return re.sub(r"^([ \t]*)__shared__\s+([^;]*);", one, source, flags=re.M)
+
+
+def translate(source: str) -> str:
+    """The kernels' CUDA source as C++ for ``cuda_emu.h``."""
+    source, n = re.subn(r"^extern __shared__[^\n]*\bdynamic_smem\[\];", "", source,
+                        flags=re.M)
+    if n != 1:
+        raise ValueError("expected one extern __shared__ dynamic_smem declaration")
+    return _translate_shared(_translate_asm(source))
+
+
+def _arity(name: str) -> int:
+    return 2 if name.split("<")[0].endswith("_pair") else 1
+
+
+def unit(source: str, dtypes) -> str:
+    """The whole C++ translation unit: prelude, kernels, and a table of every instance."""
+    names = sorted({n for d in dtypes for n in _kernels.kernel_names(d).values()})
+    lines = [f'#include "{PRELUDE}"', translate(source), "namespace {"]
+    for i, name in enumerate(names):
+        args = ", ".join(f"*static_cast<const Problem*>(a[{k}])" for k in range(_arity(name)))
+        lines.append(f"void k{i}(const void* const* a) {{ {name}({args}); }}")
+    lines.append("struct Entry { const char* name; void (*fn)(const void* const*); };")
+    lines.append("const Entry entries[] = {")
+    lines += [f'  {{"{name}", k{i}}},' for i, name in enumerate(names)]
+    lines.append("};\n}  // namespace")
+    lines.append(r'''
+extern "C" int mla_emu_launch(const char* name, unsigned grid, unsigned block,
+                              unsigned long long smem, const void* const* args,
+                              int cluster_blocks, unsigned long long seed,
+                              unsigned preempt, int skew, char* err, int errlen) {
+  for (const Entry& e : entries) {
+    if (std::strcmp(e.name, name) != 0) continue;
+    const std::string why = mla_emu::run(e.fn, args, grid, block, smem, cluster_blocks, seed,
+                                         preempt, skew != 0);
+    std::snprintf(err, errlen, "%s", why.c_str());
+    return why.empty() ? 0 : 1;
+  }
+  std::snprintf(err, errlen, "no kernel %s", name);
+  return 2;
+}''')
+    return "\n".join(lines) + "\n"
+
+
+def build(source_dir=None, dtypes=(np.int32,)) -> Path:
+    """Compile the kernels of ``source_dir`` (default: the package's) for the emulator; the
+    library is cached by the hash of everything that went into it."""
+    previous = _kernels.current_build()
+    _kernels.use_build(_kernels.KernelBuild(Path(source_dir) if source_dir else None))
+    try:
+        text = unit(_kernels.source(), dtypes)
+    finally:
+        _kernels.use_build(previous)
+    digest = hashlib.sha256((text + PRELUDE.read_text() + " ".join(FLAGS)).encode())
+    lib = CACHE / f"kernels_{digest.hexdigest()[:16]}.so"
+    if not lib.exists():
+        CACHE.mkdir(parents=True, exist_ok=True)
+        cpp = lib.with_suffix(".cpp")
+        cpp.write_text(text)
+        tmp = lib.with_suffix(f".{os.getpid()}.tmp")
+        subprocess.run([COMPILER, *FLAGS, "-o", str(tmp), str(cpp)], check=True)
+        os.replace(tmp, lib)
+    return lib
+
+
+class Emulator:
+    """A compiled kernel library; ``launch`` runs one kernel to completion."""
+
+    def __init__(self, lib: Path):
+        self.lib = ctypes.CDLL(str(lib))
+        self.lib.mla_emu_launch.restype = ctypes.c_int
+        self.lib.mla_emu_launch.argtypes = [
+            ctypes.c_char_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_ulonglong,
+            ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_ulonglong, ctypes.c_uint,
+            ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
+        self.launched = []  # (kernel name, grid, block) of every launch, in order
+
+    def launch(self, name: str, grid: int, block: int, smem: int, packed, *, cluster=1,
+               seed=0, preempt=0, skew=True) -> None:
+        args = (ctypes.c_void_p * len(packed))(*[p.ctypes.data for p in packed])
+        err = ctypes.create_string_buffer(512)
+        rc = self.lib.mla_emu_launch(name.encode(), grid, block, smem, args, cluster, seed,
+                                     preempt, int(skew), err, len(err))
+        self.launched.append((name, grid, block))
+        if rc != 0:
+            raise RuntimeError(f"{name} <<<{grid}, {block}, {smem}>>>: {err.value.decode()}")
+
+
+class HostArray:
+    """A NumPy array as the package's launch path reads a device array."""
+
+    def __init__(self, a: np.ndarray):
+        self.a = a
+        self.data = SimpleNamespace(ptr=a.ctypes.data)
+        self.shape, self.dtype, self.size = a.shape, a.dtype, a.size
+
+    def __getitem__(self, index):
+        return HostArray(self.a[index])
+
+
+def host_array(a):
+    return None if a is None else HostArray(np.ascontiguousarray(a))
+
+
+class HostWorkspace(_launch.Workspace):
+    """A workspace in NumPy memory (the package's layout, ``Workspace._carve``)."""
+
+    def __init__(self):
+        super().__init__(device_id=0)
+
+    def _grow(self, num_buckets, matrix_entries, stream):
+        nb, nm = max(num_buckets, self.buckets, 1), max(matrix_entries, self.matrix, 1)
+        self._carve(HostArray(np.zeros(_launch.workspace_entries(nb, nm), np.int32)), nb, nm)
+        return self
+
+
+# An H200's shared memory and features on a few SMs: the cooperative grids stay small.
+LIMITS = _dispatch.DeviceLimits(sm_count=4, smem_optin=232448, cooperative=True,
+                                clusters=True)
+
+
+@contextlib.contextmanager
+def emulated(emu: Emulator, limits=LIMITS, seed=0, preempt=0, skew=True):
+    """The package's launch path with the emulator in place of the driver."""
+    names = {}
+
+    def kernels_for(dtype, device_id, smem_optin):
+        return SimpleNamespace(names=names.setdefault(np.dtype(dtype).str,
+                                                      _kernels.kernel_names(dtype)))
+
+    def launch_kernel(ks, key, grid, block, smem, stream, *jobs, cooperative=False):
+        name = ks.names[key]
+        cluster = _dispatch.CLUSTER_BLOCKS if key[0].startswith("cluster") else 1
+        emu.launch(name, grid, block, smem, [j.packed for j in jobs], cluster=cluster,
+                   seed=seed + len(emu.launched), preempt=preempt, skew=skew)
+
+    saved = (_launch.kernels_for, _launch.launch_kernel, _launch.device_limits)
+    _launch.kernels_for, _launch.launch_kernel = kernels_for, launch_kernel
+    _launch.device_limits = lambda device_id: limits
+    try:
+        yield
+    finally:
+        _launch.kernels_for, _launch.launch_kernel, _launch.device_limits = saved

@@ -1,0 +1,553 @@
+// CUDA device code on the CPU, for the tests: every thread of a launch is a fiber (ucontext),
+// and one OS thread switches between them at the points where CUDA threads meet or poll:
+// __syncthreads, warp collectives, the cluster barrier, atomics, fences and acquire loads.
+// All blocks of a launch are resident at once, so the kernels' grid barriers and tickets
+// work as on a cooperative launch. Shared memory is a per-block arena poisoned at launch;
+// `__shared__` variables are placed in it by the build step (tests/emulator/__init__.py),
+// which also turns the kernels' few inline-PTX statements into the calls below.
+//
+// What it checks: the kernels' index arithmetic, their barriers and collectives (a barrier
+// or collective that can never complete is reported as a deadlock, a collective whose lanes
+// disagree on its mask or kind as an error), and their results against the NumPy backend.
+// What it does not: the GPU's weak memory model, timing, or bank conflicts. The schedule is
+// random per seed, so orders that depend on atomics differ between runs, as on a GPU.
+#pragma once
+
+#include <ucontext.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#define __CUDA_ARCH__ 900
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __noinline__
+#define __launch_bounds__(...)
+#define __cluster_dims__(...)
+#define __align__(n) __attribute__((aligned(n)))
+#define __restrict__ __restrict
+
+struct uint3 {
+  unsigned x, y, z;
+};
+struct __attribute__((aligned(16))) int4 {
+  int x, y, z, w;
+};
+struct __attribute__((aligned(16))) uint4 {
+  unsigned x, y, z, w;
+};
+inline int4 make_int4(int x, int y, int z, int w) { return {x, y, z, w}; }
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
+
+// CUDA's min and max take mixed integer types.
+template <typename A, typename B>
+inline auto min(A a, B b) -> decltype(a + b) {
+  return a < b ? a : b;
+}
+template <typename A, typename B>
+inline auto max(A a, B b) -> decltype(a + b) {
+  return a < b ? b : a;
+}
+
+inline int __popc(unsigned v) { return __builtin_popcount(v); }
+inline int __popcll(unsigned long long v) { return __builtin_popcountll(v); }
+inline int __ffs(int v) { return __builtin_ffs(v); }
+inline int __clz(int v) { return v == 0 ? 32 : __builtin_clz((unsigned)v); }
+inline unsigned __brev(unsigned v) {
+  unsigned r = 0;
+  for (int i = 0; i < 32; ++i) r |= ((v >> i) & 1u) << (31 - i);
+  return r;
+}
+inline unsigned __umulhi(unsigned a, unsigned b) {
+  return (unsigned)(((unsigned long long)a * b) >> 32);
+}
+
+namespace mla_emu {
+
+constexpr int STATIC_SMEM = 48 << 10;  // room for the kernels' __shared__ variables
+constexpr size_t STACK_BYTES = 128 << 10;
+constexpr unsigned char SMEM_POISON = 0xA5;
+
+enum class Op { none, shfl, shfl_up, shfl_xor, ballot, reduce_or, match_any, syncwarp };
+
+struct Collective {
+  unsigned mask = 0, arrived = 0;
+  bool done = false;
+  int readers = 0;
+  long gen = 0;
+  Op op = Op::none;
+  unsigned long long value[32];
+  int arg[32];
+  unsigned long long result[32];
+};
+
+struct Warp {
+  std::vector<Collective> by_mask;  // one in flight per mask
+  Collective& get(unsigned mask) {
+    for (auto& c : by_mask)
+      if (c.mask == mask) return c;
+    by_mask.emplace_back();
+    by_mask.back().mask = mask;
+    return by_mask.back();
+  }
+};
+
+struct Block {
+  unsigned index = 0;
+  std::vector<unsigned char> arena;  // [STATIC_SMEM | dynamic shared memory]
+  int live = 0, arrived = 0;
+  long gen = 0;
+  std::vector<Warp> warps;
+  unsigned exited_lanes[32] = {};  // per warp
+};
+
+struct Fiber {
+  ucontext_t ctx;
+  char* stack = nullptr;
+  unsigned tid = 0;
+  Block* block = nullptr;
+  bool done = false;
+  int yielded = 0;  // how its last yield came: RUN, POLL or BLOCKED
+  long cluster_arrivals = 0;
+};
+
+struct Cluster {
+  long arrived = 0;
+};
+
+struct Launch {
+  uint3 grid{1, 1, 1}, block{1, 1, 1};
+  int cluster_blocks = 1;
+  std::vector<Block> blocks;
+  std::vector<Fiber> fibers;
+  std::vector<Cluster> clusters;
+  ucontext_t main;
+  Fiber* cur = nullptr;
+  std::mt19937_64 rng;
+  unsigned preempt_per_mille = 0;  // chance of a switch at an atomic, fence or acquire load
+  long events = 0;  // arrivals at barriers and collectives, atomics: what can unblock others
+  long switches = 0, max_switches = 0;
+  std::string error;
+  void (*body)(const void* const*) = nullptr;
+  const void* const* args = nullptr;
+};
+
+inline Launch*& current() {
+  static Launch* l = nullptr;
+  return l;
+}
+inline Fiber* me() { return current()->cur; }
+
+enum { RUN, POLL, BLOCKED };  // why a thread yields: it may move on, polls, or waits
+
+struct Abort {};  // unwinds a fiber after an error (the launch reports it)
+
+[[noreturn]] inline void fail(const std::string& what) {
+  Launch* l = current();
+  if (l->error.empty()) {
+    char where[96];
+    std::snprintf(where, sizeof where, " (block %u, thread %u)", me()->block->index, me()->tid);
+    l->error = what + where;
+  }
+  throw Abort{};
+}
+
+inline void yield(int why) {
+  Launch* l = current();
+  Fiber* f = l->cur;
+  f->yielded = why;
+  swapcontext(&f->ctx, &l->main);
+  if (!l->error.empty()) throw Abort{};
+}
+
+// A switch now and then where a GPU thread could be overtaken.
+inline void maybe_preempt() {
+  Launch* l = current();
+  if (l->preempt_per_mille && (l->rng() % 1000) < l->preempt_per_mille) yield(RUN);
+}
+
+inline uint3 thread_idx() { return {me()->tid, 0, 0}; }
+inline uint3 block_idx() { return {me()->block->index, 0, 0}; }
+inline uint3 block_dim() { return current()->block; }
+inline uint3 grid_dim() { return current()->grid; }
+
+inline void syncthreads() {
+  Block& b = *me()->block;
+  const long gen = b.gen;
+  ++current()->events;  // an arrival is progress: the barrier is nearer its release
+  if (++b.arrived == b.live) {
+    b.arrived = 0;
+    ++b.gen;
+    ++current()->events;
+    yield(RUN);
+    return;
+  }
+  while (b.gen == gen) yield(BLOCKED);
+}
+
+inline unsigned lane() { return me()->tid & 31; }
+
+inline unsigned long long collective(Op op, unsigned mask, unsigned long long value, int arg) {
+  Fiber* f = me();
+  Block& b = *f->block;
+  const unsigned ln = lane(), w = f->tid >> 5;
+  if (!((mask >> ln) & 1u)) fail("a warp collective whose mask leaves out the calling lane");
+  if (mask & b.exited_lanes[w]) fail("a warp collective whose mask names an exited lane");
+  Collective* c = &b.warps[w].get(mask);
+  while (c->done) {  // the last round's results are still being read
+    yield(BLOCKED);
+    c = &b.warps[w].get(mask);
+  }
+  if (c->arrived == 0) c->op = op;
+  else if (c->op != op) fail("lanes of one mask in different warp collectives");
+  if ((c->arrived >> ln) & 1u) fail("a lane in the same warp collective twice");
+  c->value[ln] = value;
+  c->arg[ln] = arg;
+  c->arrived |= 1u << ln;
+  ++current()->events;
+  const long gen = c->gen;
+  if (c->arrived == mask) {
+    for (unsigned i = 0; i < 32; ++i) {
+      if (!((mask >> i) & 1u)) continue;
+      unsigned long long r = 0;
+      const int width = 32;
+      const unsigned group = i & ~(unsigned)(width - 1);
+      switch (op) {
+        case Op::shfl: {
+          const unsigned src = group + ((unsigned)c->arg[i] & (width - 1));
+          r = ((mask >> src) & 1u) ? c->value[src] : 0xDEADBEEFDEADBEEFull;
+          break;
+        }
+        case Op::shfl_up: {
+          const int src = (int)i - c->arg[i];
+          r = src < (int)group ? c->value[i]
+              : ((mask >> src) & 1u) ? c->value[src] : 0xDEADBEEFDEADBEEFull;
+          break;
+        }
+        case Op::shfl_xor: {
+          const unsigned src = i ^ (unsigned)c->arg[i];
+          r = src >= 32 ? c->value[i]
+              : ((mask >> src) & 1u) ? c->value[src] : 0xDEADBEEFDEADBEEFull;
+          break;
+        }
+        case Op::ballot:
+          for (unsigned j = 0; j < 32; ++j)
+            if (((mask >> j) & 1u) && c->value[j] != 0) r |= 1ull << j;
+          break;
+        case Op::reduce_or:
+          for (unsigned j = 0; j < 32; ++j)
+            if ((mask >> j) & 1u) r |= c->value[j];
+          break;
+        case Op::match_any:
+          for (unsigned j = 0; j < 32; ++j)
+            if (((mask >> j) & 1u) && c->value[j] == c->value[i]) r |= 1ull << j;
+          break;
+        case Op::syncwarp:
+        case Op::none:
+          break;
+      }
+      c->result[i] = r;
+    }
+    c->done = true;
+    c->readers = __builtin_popcount(mask);
+    ++current()->events;
+  } else {
+    while (!(c->done && c->gen == gen)) {
+      yield(BLOCKED);
+      c = &b.warps[w].get(mask);
+    }
+  }
+  const unsigned long long r = c->result[ln];
+  if (--c->readers == 0) {
+    c->done = false;
+    c->arrived = 0;
+    ++c->gen;
+  }
+  return r;
+}
+
+template <typename T>
+inline unsigned long long bits_of(T v) {
+  static_assert(sizeof(T) <= 8, "warp collectives of values up to 8 bytes");
+  unsigned long long u = 0;
+  std::memcpy(&u, &v, sizeof(T));
+  return u;
+}
+template <typename T>
+inline T from_bits(unsigned long long u) {
+  T v;
+  std::memcpy(&v, &u, sizeof(T));
+  return v;
+}
+
+// ---- shared memory -------------------------------------------------------------------------
+inline int static_offset(int id, size_t size, size_t align) {
+  static std::vector<int> offsets;
+  static int used = 0;
+  if (id >= (int)offsets.size()) offsets.resize(id + 1, -1);
+  if (offsets[id] < 0) {
+    used = (int)((used + align - 1) / align * align);
+    offsets[id] = used;
+    used += (int)size;
+    if (used > STATIC_SMEM) throw std::runtime_error("emulator: static shared memory full");
+  }
+  return offsets[id];
+}
+
+template <typename T>
+inline T& shared_var(int id) {
+  unsigned char* arena = me()->block->arena.data();
+  return *reinterpret_cast<T*>(arena + static_offset(id, sizeof(T), alignof(T)));
+}
+
+inline unsigned char* dynamic_smem() { return me()->block->arena.data() + STATIC_SMEM; }
+
+// ---- PTX the kernels use -------------------------------------------------------------------
+inline unsigned lanemask_lt() { return (1u << lane()) - 1u; }
+
+inline unsigned load_acquire(const unsigned* p) {
+  yield(POLL);  // a poll: let the others run
+  return *reinterpret_cast<const volatile unsigned*>(p);
+}
+
+inline unsigned cluster_ctarank() { return me()->block->index % current()->cluster_blocks; }
+
+inline Cluster& my_cluster() {
+  return current()->clusters[me()->block->index / current()->cluster_blocks];
+}
+
+inline void cluster_arrive() {
+  ++my_cluster().arrived;
+  ++me()->cluster_arrivals;
+  ++current()->events;
+}
+
+inline void cluster_wait() {
+  Launch* l = current();
+  const long need = me()->cluster_arrivals * (long)l->cluster_blocks * (long)l->block.x;
+  while (my_cluster().arrived < need) yield(BLOCKED);
+}
+
+inline unsigned long long mapa(const void* local, unsigned rank) {
+  Launch* l = current();
+  Block& b = *me()->block;
+  const unsigned char* p = static_cast<const unsigned char*>(local);
+  const unsigned char* base = b.arena.data();
+  if (p < base || p >= base + b.arena.size()) fail("mapa of a pointer outside shared memory");
+  if ((int)rank >= l->cluster_blocks) fail("mapa to a rank outside the cluster");
+  Block& other = l->blocks[b.index / l->cluster_blocks * l->cluster_blocks + rank];
+  return reinterpret_cast<unsigned long long>(other.arena.data() + (p - base));
+}
+
+inline unsigned long long globaltimer() { return (unsigned long long)current()->switches; }
+
+// ---- the launch ------------------------------------------------------------------------------
+inline void fiber_main() {
+  Launch* l = current();
+  Fiber* f = l->cur;
+  try {
+    if (l->error.empty()) l->body(l->args);
+  } catch (const Abort&) {
+  } catch (const std::exception& e) {
+    if (l->error.empty()) l->error = e.what();
+  }
+  f->done = true;
+  Block& b = *f->block;
+  --b.live;
+  b.exited_lanes[f->tid >> 5] |= 1u << (f->tid & 31);
+  if (b.arrived > 0 && b.arrived == b.live) {  // the others may wait for no more
+    b.arrived = 0;
+    ++b.gen;
+  }
+  ++l->events;
+  swapcontext(&f->ctx, &l->main);
+}
+
+// Runs `body` over grid x block threads, all blocks at once; returns "" or what went wrong.
+inline std::string run(void (*body)(const void* const*), const void* const* args, unsigned grid,
+                       unsigned block, size_t dynamic_smem_bytes, int cluster_blocks,
+                       unsigned long long seed, unsigned preempt_per_mille, bool skew) {
+  Launch l;
+  l.grid = {grid, 1, 1};
+  l.block = {block, 1, 1};
+  l.cluster_blocks = cluster_blocks < 1 ? 1 : cluster_blocks;
+  l.rng.seed(seed);
+  l.preempt_per_mille = preempt_per_mille;
+  l.body = body;
+  l.args = args;
+  if (grid % l.cluster_blocks) return "grid is not a whole number of clusters";
+  l.blocks.resize(grid);
+  l.clusters.resize(grid / l.cluster_blocks);
+  const size_t nthreads = (size_t)grid * block;
+  l.fibers.resize(nthreads);
+  l.max_switches = 20000L * (long)nthreads + 1000000L;
+  current() = &l;
+  for (unsigned bi = 0; bi < grid; ++bi) {
+    Block& b = l.blocks[bi];
+    b.index = bi;
+    b.arena.assign(STATIC_SMEM + dynamic_smem_bytes + 16, SMEM_POISON);
+    b.live = (int)block;
+    b.warps.resize((block + 31) / 32);
+  }
+  std::unique_ptr<char[]> stacks(new char[nthreads * STACK_BYTES]);  // touched as used
+  for (size_t i = 0; i < nthreads; ++i) {
+    Fiber& f = l.fibers[i];
+    f.block = &l.blocks[i / block];
+    f.tid = (unsigned)(i % block);
+    f.stack = stacks.get() + i * STACK_BYTES;
+    getcontext(&f.ctx);
+    f.ctx.uc_stack.ss_sp = f.stack;
+    f.ctx.uc_stack.ss_size = STACK_BYTES;
+    f.ctx.uc_link = nullptr;
+    makecontext(&f.ctx, fiber_main, 0);
+  }
+  std::vector<size_t> order(nthreads);
+  for (size_t i = 0; i < nthreads; ++i) order[i] = i;
+  // Skew: every thread gets a speed (its block's x its warp's x its own), the chance that it
+  // runs in a pass, so warps and blocks drift apart as far as their barriers let them and a
+  // missing barrier shows as a read before the write it should have waited for.
+  std::vector<double> speed(nthreads, 1.0);
+  if (skew) {
+    std::uniform_real_distribution<double> u(0.0, 1.0);
+    std::vector<double> block_speed(grid), warp_speed((size_t)grid * ((block + 31) / 32));
+    for (auto& v : block_speed) v = 0.1 + 0.9 * u(l.rng);
+    for (auto& v : warp_speed) v = 0.05 + 0.95 * u(l.rng);
+    for (size_t i = 0; i < nthreads; ++i)
+      speed[i] = block_speed[i / block] * warp_speed[i / block * ((block + 31) / 32) + (i % block) / 32] *
+                 (0.5 + 0.5 * u(l.rng));
+  }
+  std::uniform_real_distribution<double> coin(0.0, 1.0);
+  size_t left = nthreads;
+  int idle_passes = 0;  // passes in which nothing could have changed what anyone waits for
+  while (left > 0 && l.error.empty()) {
+    std::shuffle(order.begin(), order.end(), l.rng);
+    const long events = l.events;
+    const bool everyone = !skew || idle_passes > 0;  // after an idle pass, a full one
+    bool moved = false;
+    for (size_t i : order) {
+      Fiber& f = l.fibers[i];
+      if (f.done || (!everyone && coin(l.rng) >= speed[i])) continue;
+      l.cur = &f;
+      ++l.switches;
+      swapcontext(&l.main, &f.ctx);
+      if (f.done) --left, moved = true;
+      else if (f.yielded == RUN) moved = true;
+      if (!l.error.empty()) break;
+    }
+    idle_passes = (moved || events != l.events) ? 0 : idle_passes + 1;
+    if (l.error.empty() && left > 0 && idle_passes >= 3)
+      l.error = "deadlock: every thread waits at a barrier, a collective or a poll that "
+                "nothing left can satisfy";
+    if (l.error.empty() && l.switches > l.max_switches)
+      l.error = "no progress: threads polled past the switch limit";
+  }
+  if (!l.error.empty()) {
+    // Unwind every fiber still inside the body (each throws Abort at its yield).
+    for (Fiber& f : l.fibers) {
+      if (f.done) continue;
+      l.cur = &f;
+      swapcontext(&l.main, &f.ctx);
+    }
+  }
+  current() = nullptr;
+  return l.error;
+}
+
+}  // namespace mla_emu
+
+#define threadIdx (mla_emu::thread_idx())
+#define blockIdx (mla_emu::block_idx())
+#define blockDim (mla_emu::block_dim())
+#define gridDim (mla_emu::grid_dim())
+#define dynamic_smem (mla_emu::dynamic_smem())
+
+inline void __syncthreads() { mla_emu::syncthreads(); }
+inline void __threadfence() { mla_emu::maybe_preempt(); }
+inline void __threadfence_block() {}
+inline long long clock64() { return (long long)mla_emu::current()->switches; }
+inline void __nanosleep(unsigned) { mla_emu::yield(mla_emu::POLL); }
+
+template <typename T>
+inline T __ldcg(const T* p) {
+  mla_emu::maybe_preempt();
+  return *p;
+}
+template <typename T>
+inline T __ldg(const T* p) {
+  return *p;
+}
+
+template <typename T>
+inline T __shfl_sync(unsigned mask, T v, int src, int width = 32) {
+  (void)width;
+  return mla_emu::from_bits<T>(
+      mla_emu::collective(mla_emu::Op::shfl, mask, mla_emu::bits_of(v), src));
+}
+template <typename T>
+inline T __shfl_up_sync(unsigned mask, T v, unsigned delta, int width = 32) {
+  (void)width;
+  return mla_emu::from_bits<T>(
+      mla_emu::collective(mla_emu::Op::shfl_up, mask, mla_emu::bits_of(v), (int)delta));
+}
+template <typename T>
+inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32) {
+  (void)width;
+  return mla_emu::from_bits<T>(
+      mla_emu::collective(mla_emu::Op::shfl_xor, mask, mla_emu::bits_of(v), lane_mask));
+}
+inline unsigned __ballot_sync(unsigned mask, int pred) {
+  return (unsigned)mla_emu::collective(mla_emu::Op::ballot, mask, pred != 0, 0);
+}
+inline unsigned __reduce_or_sync(unsigned mask, unsigned v) {
+  return (unsigned)mla_emu::collective(mla_emu::Op::reduce_or, mask, v, 0);
+}
+template <typename T>
+inline unsigned __match_any_sync(unsigned mask, T v) {
+  return (unsigned)mla_emu::collective(mla_emu::Op::match_any, mask, mla_emu::bits_of(v), 0);
+}
+inline void __syncwarp(unsigned mask = 0xffffffffu) {
+  mla_emu::collective(mla_emu::Op::syncwarp, mask, 0, 0);
+}
+
+template <typename T>
+inline T atomicAdd(T* p, T v) {
+  mla_emu::maybe_preempt();
+  const T old = *p;
+  *p = old + v;
+  ++mla_emu::current()->events;
+  return old;
+}
+template <typename T>
+inline T atomicOr(T* p, T v) {
+  mla_emu::maybe_preempt();
+  const T old = *p;
+  *p = old | v;
+  ++mla_emu::current()->events;
+  return old;
+}
+template <typename T>
+inline T atomicMax(T* p, T v) {
+  mla_emu::maybe_preempt();
+  const T old = *p;
+  *p = old < v ? v : old;
+  ++mla_emu::current()->events;
+  return old;
+}
+template <typename T>
+inline T atomicExch(T* p, T v) {
+  mla_emu::maybe_preempt();
+  const T old = *p;
+  *p = v;
+  ++mla_emu::current()->events;
+  return old;
+}
