@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import hashlib
 import os
 import re
@@ -261,3 +262,48 @@ def emulated(emu: Emulator, limits=LIMITS, seed=0, preempt=0, skew=True):
         yield
     finally:
         _launch.kernels_for, _launch.launch_kernel, _launch.device_limits = saved
+
+
+_ARRAYS = ("topk_ids", "token_slot", "lora_ids", "adapter_enabled", "expert_map",
+           "sorted_ids", "expert_ids", "num_post_pad", "scatter_idx")
+
+
+def device_job(job: _launch.Job) -> _launch.Job:
+    """``job`` (a host call's, from ``_call.prepare``) with its arrays as ``HostArray``: the
+    kernels write straight into the caller's NumPy buffers."""
+    fields = {}
+    for name in _ARRAYS:
+        a = getattr(job, name)
+        if a is not None and not a.flags.c_contiguous:
+            raise ValueError(f"{name} must be contiguous: the kernels write through its address")
+        fields[name] = None if a is None else HostArray(a)
+    return dataclasses.replace(job, **fields)
+
+
+def run(emu: Emulator, job: _launch.Job, *, variant=None, policy=_dispatch.DEFAULT_POLICY,
+        workspace=None, seed=0, limits=LIMITS) -> _dispatch.Launch:
+    """One alignment through the package's ``launch_one``; returns the launch it ran."""
+    job = device_job(job)
+    with emulated(emu, limits, seed):
+        launch = _launch.plan_launch(job, 0, variant, policy)
+        _launch.launch_one(job, launch, workspace or HostWorkspace(), None, 0)
+    return launch
+
+
+def run_pair(emu: Emulator, base: _launch.Job, lora: _launch.Job, *, streams=None,
+             variant=None, policy=_dispatch.DEFAULT_POLICY, workspaces=None, seed=0,
+             limits=LIMITS):
+    """Base and LoRA through the package's ``choose_streams`` and ``issue_both``; two side
+    streams become one (the same launches in order). Returns (mode, fused launch or None)."""
+    base, lora = device_job(base), device_job(lora)
+    ws_base, ws_lora = workspaces or (HostWorkspace(), HostWorkspace())
+    with emulated(emu, limits, seed):
+        mode, pair = _launch.choose_streams(base, lora, 0, streams, variant, policy)
+        if mode == "fused":
+            lb = ll = pair
+        else:
+            lb = _launch.plan_launch(base, 0, variant, policy)
+            ll = _launch.plan_launch(lora, 0, variant, policy)
+        _launch.issue_both("fused" if mode == "fused" else "one", pair, base, lb, ws_base,
+                           lora, ll, ws_lora, None, 0)
+    return mode, pair

@@ -1,5 +1,5 @@
-// CUDA device code on the CPU, for the tests: every thread of a launch is a fiber (ucontext),
-// and one OS thread switches between them at the points where CUDA threads meet or poll:
+// CUDA device code on the CPU, for the tests: every thread of a launch is a fiber, and one OS
+// thread switches between them at the points where CUDA threads meet or poll:
 // __syncthreads, warp collectives, the cluster barrier, atomics, fences and acquire loads.
 // All blocks of a launch are resident at once, so the kernels' grid barriers and tickets
 // work as on a cooperative launch. Shared memory is a per-block arena poisoned at launch;
@@ -74,6 +74,62 @@ inline unsigned __umulhi(unsigned a, unsigned b) {
 
 namespace mla_emu {
 
+// ---- switching between threads -------------------------------------------------------------
+// x86-64: a switch saves the callee-saved registers on the old stack and pops them off the
+// new one (glibc's swapcontext also saves the signal mask, a system call each way: several
+// times slower). Elsewhere, ucontext.
+#if defined(__x86_64__)
+extern "C" void mla_emu_switch(void** save_sp, void* load_sp);
+asm(R"(
+.text
+.globl mla_emu_switch
+.type mla_emu_switch, @function
+mla_emu_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+.size mla_emu_switch, .-mla_emu_switch
+)");
+
+struct Context {
+  void* sp = nullptr;
+};
+// A new context that starts in `entry` on [stack, stack + size).
+inline void make_context(Context& c, char* stack, size_t size, void (*entry)()) {
+  auto top = reinterpret_cast<uintptr_t>(stack + size) & ~uintptr_t(15);
+  void** sp = reinterpret_cast<void**>(top);
+  *--sp = nullptr;                           // entry's return address: it never returns
+  *--sp = reinterpret_cast<void*>(entry);    // where the first switch's `ret` goes
+  for (int i = 0; i < 6; ++i) *--sp = nullptr;  // rbp, rbx, r12 .. r15
+  c.sp = sp;
+}
+inline void switch_context(Context& from, Context& to) { mla_emu_switch(&from.sp, to.sp); }
+#else
+struct Context {
+  ucontext_t uc;
+};
+inline void make_context(Context& c, char* stack, size_t size, void (*entry)()) {
+  getcontext(&c.uc);
+  c.uc.uc_stack.ss_sp = stack;
+  c.uc.uc_stack.ss_size = size;
+  c.uc.uc_link = nullptr;
+  makecontext(&c.uc, entry, 0);
+}
+inline void switch_context(Context& from, Context& to) { swapcontext(&from.uc, &to.uc); }
+#endif
+
 constexpr int STATIC_SMEM = 48 << 10;  // room for the kernels' __shared__ variables
 constexpr size_t STACK_BYTES = 128 << 10;
 constexpr unsigned char SMEM_POISON = 0xA5;
@@ -112,13 +168,17 @@ struct Block {
 };
 
 struct Fiber {
-  ucontext_t ctx;
+  Context ctx;
   char* stack = nullptr;
   unsigned tid = 0;
   Block* block = nullptr;
   bool done = false;
   int yielded = 0;  // how its last yield came: RUN, POLL or BLOCKED
   long cluster_arrivals = 0;
+  // What a BLOCKED thread waits for, so the scheduler resumes it only once it can go on.
+  enum { BARRIER, RESULT, ROUND, CLUSTER } waits = BARRIER;
+  long wait_gen = 0;      // BARRIER: the block's barrier generation; RESULT: the collective's
+  unsigned wait_mask = 0; // RESULT, ROUND: the collective's mask
 };
 
 struct Cluster {
@@ -131,7 +191,7 @@ struct Launch {
   std::vector<Block> blocks;
   std::vector<Fiber> fibers;
   std::vector<Cluster> clusters;
-  ucontext_t main;
+  Context main;
   Fiber* cur = nullptr;
   std::mt19937_64 rng;
   unsigned preempt_per_mille = 0;  // chance of a switch at an atomic, fence or acquire load
@@ -166,7 +226,7 @@ inline void yield(int why) {
   Launch* l = current();
   Fiber* f = l->cur;
   f->yielded = why;
-  swapcontext(&f->ctx, &l->main);
+  switch_context(f->ctx, l->main);
   if (!l->error.empty()) throw Abort{};
 }
 
@@ -192,6 +252,8 @@ inline void syncthreads() {
     yield(RUN);
     return;
   }
+  me()->waits = Fiber::BARRIER;
+  me()->wait_gen = gen;
   while (b.gen == gen) yield(BLOCKED);
 }
 
@@ -204,7 +266,9 @@ inline unsigned long long collective(Op op, unsigned mask, unsigned long long va
   if (!((mask >> ln) & 1u)) fail("a warp collective whose mask leaves out the calling lane");
   if (mask & b.exited_lanes[w]) fail("a warp collective whose mask names an exited lane");
   Collective* c = &b.warps[w].get(mask);
+  f->wait_mask = mask;
   while (c->done) {  // the last round's results are still being read
+    f->waits = Fiber::ROUND;
     yield(BLOCKED);
     c = &b.warps[w].get(mask);
   }
@@ -263,6 +327,8 @@ inline unsigned long long collective(Op op, unsigned mask, unsigned long long va
     ++current()->events;
   } else {
     while (!(c->done && c->gen == gen)) {
+      f->waits = Fiber::RESULT;
+      f->wait_gen = gen;
       yield(BLOCKED);
       c = &b.warps[w].get(mask);
     }
@@ -335,6 +401,8 @@ inline void cluster_arrive() {
 inline void cluster_wait() {
   Launch* l = current();
   const long need = me()->cluster_arrivals * (long)l->cluster_blocks * (long)l->block.x;
+  me()->waits = Fiber::CLUSTER;
+  me()->wait_gen = need;
   while (my_cluster().arrived < need) yield(BLOCKED);
 }
 
@@ -350,6 +418,23 @@ inline unsigned long long mapa(const void* local, unsigned rank) {
 }
 
 inline unsigned long long globaltimer() { return (unsigned long long)current()->switches; }
+
+// Whether a BLOCKED thread's wait is over (else resuming it would only yield again).
+inline bool ready(Launch& l, const Fiber& f) {
+  if (f.yielded != BLOCKED) return true;
+  const Block& b = *f.block;
+  switch (f.waits) {
+    case Fiber::BARRIER:
+      return b.gen != f.wait_gen;
+    case Fiber::CLUSTER:
+      return l.clusters[b.index / l.cluster_blocks].arrived >= f.wait_gen;
+    default:
+      for (const Collective& c : b.warps[f.tid >> 5].by_mask)
+        if (c.mask == f.wait_mask)
+          return f.waits == Fiber::ROUND ? !c.done : (c.done && c.gen == f.wait_gen);
+      return true;
+  }
+}
 
 // ---- the launch ------------------------------------------------------------------------------
 inline void fiber_main() {
@@ -370,7 +455,7 @@ inline void fiber_main() {
     ++b.gen;
   }
   ++l->events;
-  swapcontext(&f->ctx, &l->main);
+  switch_context(f->ctx, l->main);
 }
 
 // Runs `body` over grid x block threads, all blocks at once; returns "" or what went wrong.
@@ -390,7 +475,7 @@ inline std::string run(void (*body)(const void* const*), const void* const* args
   l.clusters.resize(grid / l.cluster_blocks);
   const size_t nthreads = (size_t)grid * block;
   l.fibers.resize(nthreads);
-  l.max_switches = 20000L * (long)nthreads + 1000000L;
+  l.max_switches = 2000L * (long)nthreads + 1000000L;
   current() = &l;
   for (unsigned bi = 0; bi < grid; ++bi) {
     Block& b = l.blocks[bi];
@@ -405,28 +490,23 @@ inline std::string run(void (*body)(const void* const*), const void* const* args
     f.block = &l.blocks[i / block];
     f.tid = (unsigned)(i % block);
     f.stack = stacks.get() + i * STACK_BYTES;
-    getcontext(&f.ctx);
-    f.ctx.uc_stack.ss_sp = f.stack;
-    f.ctx.uc_stack.ss_size = STACK_BYTES;
-    f.ctx.uc_link = nullptr;
-    makecontext(&f.ctx, fiber_main, 0);
+    make_context(f.ctx, f.stack, STACK_BYTES, fiber_main);
   }
-  std::vector<size_t> order(nthreads);
-  for (size_t i = 0; i < nthreads; ++i) order[i] = i;
-  // Skew: every thread gets a speed (its block's x its warp's x its own), the chance that it
-  // runs in a pass, so warps and blocks drift apart as far as their barriers let them and a
-  // missing barrier shows as a read before the write it should have waited for.
-  std::vector<double> speed(nthreads, 1.0);
-  if (skew) {
-    std::uniform_real_distribution<double> u(0.0, 1.0);
-    std::vector<double> block_speed(grid), warp_speed((size_t)grid * ((block + 31) / 32));
-    for (auto& v : block_speed) v = 0.1 + 0.9 * u(l.rng);
-    for (auto& v : warp_speed) v = 0.05 + 0.95 * u(l.rng);
-    for (size_t i = 0; i < nthreads; ++i)
-      speed[i] = block_speed[i / block] * warp_speed[i / block * ((block + 31) / 32) + (i % block) / 32] *
-                 (0.5 + 0.5 * u(l.rng));
-  }
+  // Skew: every warp gets a speed (its block's x its own, at least 1/16), the chance that it
+  // runs in a pass, and each lane skips a pass now and then, so warps and blocks drift apart
+  // as far as their barriers let them and a missing barrier shows as a read before the write
+  // it should have waited for.
+  const size_t warps_per_block = (block + 31) / 32, nwarps = (size_t)grid * warps_per_block;
+  std::vector<double> speed(nwarps, 1.0);
   std::uniform_real_distribution<double> coin(0.0, 1.0);
+  if (skew) {
+    std::vector<double> block_speed(grid);
+    for (auto& v : block_speed) v = 0.25 + 0.75 * coin(l.rng);
+    for (size_t w = 0; w < nwarps; ++w)
+      speed[w] = block_speed[w / warps_per_block] * (0.25 + 0.75 * coin(l.rng));
+  }
+  std::vector<size_t> order(nwarps);
+  for (size_t w = 0; w < nwarps; ++w) order[w] = w;
   size_t left = nthreads;
   int idle_passes = 0;  // passes in which nothing could have changed what anyone waits for
   while (left > 0 && l.error.empty()) {
@@ -434,14 +514,21 @@ inline std::string run(void (*body)(const void* const*), const void* const* args
     const long events = l.events;
     const bool everyone = !skew || idle_passes > 0;  // after an idle pass, a full one
     bool moved = false;
-    for (size_t i : order) {
-      Fiber& f = l.fibers[i];
-      if (f.done || (!everyone && coin(l.rng) >= speed[i])) continue;
-      l.cur = &f;
-      ++l.switches;
-      swapcontext(&l.main, &f.ctx);
-      if (f.done) --left, moved = true;
-      else if (f.yielded == RUN) moved = true;
+    for (size_t w : order) {
+      if (!everyone && coin(l.rng) >= speed[w]) continue;
+      const size_t first = w / warps_per_block * block + (w % warps_per_block) * 32;
+      const size_t lanes = std::min<size_t>(32, (w / warps_per_block + 1) * block - first);
+      const size_t rot = l.rng() % lanes;
+      for (size_t k = 0; k < lanes && l.error.empty(); ++k) {
+        const size_t i = first + (k + rot) % lanes;
+        Fiber& f = l.fibers[i];
+        if (f.done || !ready(l, f) || (!everyone && (l.rng() & 3) == 0)) continue;
+        l.cur = &f;
+        ++l.switches;
+        switch_context(l.main, f.ctx);
+        if (f.done) --left, moved = true;
+        else if (f.yielded == RUN) moved = true;
+      }
       if (!l.error.empty()) break;
     }
     idle_passes = (moved || events != l.events) ? 0 : idle_passes + 1;
@@ -456,9 +543,10 @@ inline std::string run(void (*body)(const void* const*), const void* const* args
     for (Fiber& f : l.fibers) {
       if (f.done) continue;
       l.cur = &f;
-      swapcontext(&l.main, &f.ctx);
+      switch_context(l.main, f.ctx);
     }
   }
+  if (std::getenv("MLA_EMU_STATS")) std::fprintf(stderr, "switches %ld threads %zu\n", l.switches, nthreads);
   current() = nullptr;
   return l.error;
 }

@@ -1,0 +1,321 @@
+"""Every kernel variant on the CPU emulator (tests/emulator) against the NumPy backend, on
+poisoned, guarded outputs: no GPU needed. The launch path is the package's (dispatcher,
+workspace, packing, launch order); each case runs under a few schedules (seeds), which move
+warps and blocks apart as far as their barriers allow. An emulated device has the H200's
+shared memory and features on four SMs, so cooperative grids stay small.
+
+What this cannot see: the GPU's memory model, timing, and anything of CuPy's or the driver's.
+The GPU tests (test_gpu_*.py) still decide; this catches index, barrier and collective
+mistakes before a GPU round, and runs in CI."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import emulator
+from moe_lora_align import AlignPolicy, _call, _dispatch
+from moe_lora_align._sizes import buffer_sizes
+from moe_lora_align.testing import (GUARD, POISON, canonical, guarded, make_lora,
+                                    make_routing, segment_starts)
+
+pytestmark = [pytest.mark.emulator,
+              pytest.mark.skipif(not emulator.compiler_available(),
+                                 reason=f"needs a C++ compiler ({emulator.COMPILER})")]
+
+SEEDS = (0, 1, 2)
+
+
+@pytest.fixture(scope="module")
+def emu():
+    return emulator.Emulator(emulator.build(dtypes=(np.int32, np.int64)))
+
+
+def _refused(variant, det, numel, buckets, rows, policy):
+    try:
+        _dispatch.choose_launch(numel, buckets, rows, emulator.LIMITS, deterministic=det,
+                                variant=variant, policy=policy)
+    except ValueError:
+        return True
+    return False
+
+
+class Case:
+    """One call's inputs, its NumPy answer, and poisoned guarded buffers for the kernels."""
+
+    def __init__(self, T, K, E, B, *, rows=None, kind="uniform", dtype=np.int32, seed=0,
+                 disabled=1, with_ids=True, map_mode=None, scatter=False):
+        rng = np.random.default_rng(seed)
+        self.E, self.B, self.rows = E, B, rows
+        self.ids = make_routing(rng, T, K, E, dtype, kind)
+        self.lora = rows is not None
+        self.mapping = self.lora_ids = self.enabled = None
+        if self.lora:
+            self.mapping, self.lora_ids, self.enabled = make_lora(rng, T, rows,
+                                                                  disabled=disabled)
+            if not with_ids:
+                self.lora_ids = None
+        self.expert_map = None
+        if map_mode is not None:
+            self.expert_map = np.full(E, -1, dtype=np.int32)
+            local = rng.choice(E, size=max(1, E // 2), replace=False)
+            self.expert_map[np.sort(local)] = np.arange(local.size, dtype=np.int32)
+        # LoRA maps before counting; base as asked ("before" or "after").
+        self.map_before = self.lora or map_mode == "before"
+        self.scatter = scatter and not self.lora
+        P, M = buffer_sizes(T * K, E, B)
+        r = rows or 1
+        self.shapes = [(r, P) if self.lora else (P,), (r, M) if self.lora else (M,), (r,)]
+        if self.scatter:
+            self.shapes.append((T * K,))
+        self.want = [np.full(sh, POISON, np.int32) for sh in self.shapes]
+        _call.run_on_host(self.prepare(self.want, False).job)
+        self.bufs = [guarded(sh, np) for sh in self.shapes]
+
+    def prepare(self, outs, det):
+        map_mode = _call.map_mode(self.expert_map, self.map_before)
+        if self.lora:
+            return _call.prepare(self.ids, self.B, self.E, rows=self.rows, lora=True,
+                                 token_lora_mapping=self.mapping, lora_ids=self.lora_ids,
+                                 adapter_enabled=self.enabled, expert_map=self.expert_map,
+                                 map_mode=map_mode, deterministic=det, out=outs)
+        return _call.prepare(self.ids, self.B, self.E, rows=1, expert_map=self.expert_map,
+                             map_mode=map_mode, scatter=self.scatter, deterministic=det,
+                             out=outs)
+
+    def job(self, det):
+        for whole, _ in self.bufs:
+            whole[:] = POISON
+        return self.prepare([view for _, view in self.bufs], det).job
+
+    def check(self, det):
+        starts = segment_starts(self.ids, self.E, self.B, rows=self.rows or 1,
+                                expert_map=self.expert_map, map_before=self.map_before,
+                                mapping=self.mapping, lora_ids=self.lora_ids,
+                                enabled=self.enabled)
+        names = ("sorted", "experts", "ntpp", "scatter")
+        for (whole, got), want, name in zip(self.bufs, self.want, names):
+            assert (whole[:GUARD] == POISON).all() and (whole[-GUARD:] == POISON).all(), \
+                f"{name}: guard zone written"
+            if name == "sorted" and not det:
+                got, want = (canonical(np.atleast_2d(x), starts) for x in (got, want))
+            np.testing.assert_array_equal(got, want, err_msg=name)
+
+
+def _run(emu, case, det, variant=None, policy=_dispatch.DEFAULT_POLICY, seeds=SEEDS):
+    """The case under each schedule (the largest under one); returns the launch the
+    dispatcher chose."""
+    if case.ids.size * (case.rows or 1) > 100_000:
+        seeds = seeds[:1]
+    launch = None
+    for seed in seeds:
+        launch = emulator.run(emu, case.job(det), variant=variant, policy=policy, seed=seed)
+        case.check(det)
+    return launch
+
+
+# ---- base ---------------------------------------------------------------------------------
+# (T, K, E, B): decode (one warp up to 32 routes, align_tiny past it, four buckets a thread
+# past the block), the mid band (the cluster), prefill (the cooperative launch, count + place).
+BASE = [(0, 8, 64, 16), (1, 8, 64, 16), (4, 8, 8, 16), (4, 8, 33, 1), (5, 8, 64, 16),
+        (16, 8, 256, 16), (64, 8, 256, 64), (16, 4, 1024, 64), (3, 8, 4096, 16),
+        (255, 1, 7, 128), (256, 8, 256, 16), (1024, 10, 512, 64), (2048, 8, 256, 64)]
+VARIANTS = [None, "shared", "global", "cooperative", "cluster"]
+
+
+@pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("T,K,E,B", BASE)
+def test_base(emu, T, K, E, B, variant, det):
+    if _refused(variant, det, T * K, E, 1, _dispatch.DEFAULT_POLICY):
+        pytest.skip("the dispatcher refuses this variant at these sizes")
+    _run(emu, Case(T, K, E, B, kind=("uniform", "skewed", "invalid")[(T + E) % 3], seed=T),
+         det, variant)
+
+
+@pytest.mark.parametrize("kind", ["skewed", "invalid", "duplicates", "hot"])
+@pytest.mark.parametrize("T,E", [(3, 64), (40, 256), (512, 256), (4096, 64)])
+def test_base_routing_kinds(emu, T, E, kind):
+    for det in (False, True):
+        _run(emu, Case(T, 8, E, 16, kind=kind, seed=E), det, seeds=(7,))
+
+
+@pytest.mark.parametrize("map_mode", ["before", "after"])
+@pytest.mark.parametrize("T,E,variant", [(2, 64, None), (100, 256, None), (512, 128, None),
+                                         (2048, 256, "cooperative"), (1024, 64, "global")])
+def test_base_expert_map_and_scatter(emu, T, E, variant, map_mode):
+    for det in (False, True):
+        if not _refused(variant, det, T * 8, E, 1, _dispatch.DEFAULT_POLICY):
+            _run(emu, Case(T, 8, E, 16, map_mode=map_mode, scatter=True, seed=T), det,
+                 variant, seeds=(3,))
+
+
+def test_base_int64_ids(emu):
+    for T in (3, 200, 2048):
+        _run(emu, Case(T, 8, 256, 64, dtype=np.int64, kind="invalid", seed=T), False,
+             seeds=(5,))
+
+
+# ---- LoRA ---------------------------------------------------------------------------------
+LORA = [(0, 8, 64, 16, 4), (1, 8, 64, 16, 4), (4, 6, 64, 16, 16), (16, 8, 256, 16, 16),
+        (16, 4, 128, 64, 4), (64, 8, 64, 16, 1), (256, 8, 256, 16, 16), (1024, 8, 128, 64, 4),
+        (2048, 8, 256, 64, 16)]
+
+
+@pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("T,K,E,B,rows", LORA)
+def test_lora(emu, T, K, E, B, rows, variant, det):
+    if _refused(variant, det, T * K, rows * E, rows, _dispatch.DEFAULT_POLICY):
+        pytest.skip("the dispatcher refuses this variant at these sizes")
+    _run(emu, Case(T, K, E, B, rows=rows, seed=T + rows, disabled=1 + T % 2,
+                   with_ids=T % 3 != 1), det, variant)
+
+
+@pytest.mark.parametrize("T,E,rows", [(0, 64, 4), (2, 64, 32), (3, 64, 40), (100, 64, 16)])
+def test_lora_map_disabled_and_unlisted(emu, T, E, rows):
+    for det in (False, True):
+        _run(emu, Case(T, 8, E, 16, rows=rows, seed=rows, disabled=3, map_mode="before",
+                       with_ids=bool(T % 2)), det, seeds=(11,))
+
+
+# ---- paths the policy picks ---------------------------------------------------------------
+WITHOUT_TINY = AlignPolicy(use_tiny=False)              # align_single
+FOUR_BUCKETS = AlignPolicy(tiny_one_bucket_max=0)       # align_tiny, four buckets a thread
+ORDERED = AlignPolicy(sort_for_determinism=False)       # ranks in flat order in the kernels
+SORTED = AlignPolicy(sort_min_buckets=0)                # segments sorted after the kernels
+POLICIES = {"without_tiny": WITHOUT_TINY, "four_buckets": FOUR_BUCKETS, "ordered": ORDERED,
+            "sorted": SORTED}
+
+
+@pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("T,E,rows,variant", [(3, 64, None, None), (255, 257, None, None),
+                                              (16, 256, 16, None), (60, 128, 4, None),
+                                              (2048, 256, None, None),
+                                              (1024, 64, None, "global"),
+                                              (1024, 64, 4, "shared"),
+                                              (2048, 64, 4, "cooperative")])
+def test_policy_paths(emu, T, E, rows, variant, policy, det):
+    pol = POLICIES[policy]
+    if _refused(variant, det, T * 8, (rows or 1) * E, rows or 1, pol):
+        pytest.skip("the dispatcher refuses this variant at these sizes")
+    _run(emu, Case(T, 8, E, 16, rows=rows, seed=T + E, kind="hot"), det, variant, pol,
+         seeds=(0, 1))
+
+
+@pytest.mark.parametrize("variant", [None, "shared", "global", "cooperative"])
+@pytest.mark.parametrize("count", [1, 33, _dispatch.ORDER_WARP_MAX + 1, 1000,
+                                   _dispatch.ORDER_DIGITS_MAX + 1])
+def test_sorted_segments_of_every_length(emu, count, variant):
+    """One expert with ``count`` routes among 8192 (sorted by a warp, by a block's digits,
+    then by the bitmap), exact against NumPy."""
+    case = Case(1024, 8, 64, 16, seed=count)
+    rng = np.random.default_rng(count)
+    flat = case.ids.reshape(-1)
+    flat[flat == 5] = 6
+    flat[rng.choice(flat.size, size=count, replace=False)] = 5
+    case.want = [np.full(sh, POISON, np.int32) for sh in case.shapes]
+    _call.run_on_host(case.prepare(case.want, False).job)
+    if _refused(variant, True, flat.size, 64, 1, SORTED):
+        pytest.skip("the dispatcher refuses this variant at these sizes")
+    launch = _run(emu, case, True, variant, SORTED, seeds=(0,))
+    assert launch.deterministic_output
+
+
+# ---- base and LoRA together ---------------------------------------------------------------
+@pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
+@pytest.mark.parametrize("T,E,rows,streams,policy", [
+    (1, 64, 4, "fused", None), (16, 64, 4, "fused", None), (16, 64, 4, "fused", "without_tiny"),
+    (256, 128, 4, "fused", None), (1024, 256, 4, None, None), (2048, 256, 16, "fused", None),
+    (2048, 64, 4, "fused", "sorted"), (512, 64, 4, "one", None)])
+def test_pairs(emu, T, E, rows, streams, policy, det):
+    pol = POLICIES[policy] if policy else _dispatch.DEFAULT_POLICY
+    base = Case(T, 8, E, 64, seed=T)
+    lora = Case(T, 8, E, 64, rows=rows, seed=T)
+    lora.ids[:] = base.ids  # one routing for both sides, as in a serving step
+    lora.want = [np.full(sh, POISON, np.int32) for sh in lora.shapes]
+    _call.run_on_host(lora.prepare(lora.want, False).job)
+    for seed in (0, 1):
+        try:
+            emulator.run_pair(emu, base.job(det), lora.job(det), streams=streams, policy=pol,
+                              seed=seed)
+        except ValueError as e:  # streams="fused" where no fused launch exists
+            pytest.skip(str(e))
+        base.check(det)
+        lora.check(det)
+
+
+# ---- scratch, limits, the emulator itself -------------------------------------------------
+def test_workspace_serves_calls_of_any_size_in_turn(emu):
+    """One workspace, calls of every launch shape and mode in turn: each kernel leaves the
+    scratch as the next one needs it."""
+    ws = emulator.HostWorkspace()
+    order = [(2048, 256, True), (16, 64, False), (2048, 64, False), (1024, 256, True),
+             (4096, 128, False), (2048, 256, True), (3, 64, True), (2048, 256, False)]
+    for i, (T, E, det) in enumerate(order):
+        case = Case(T, 8, E, 16, seed=i)
+        emulator.run(emu, case.job(det), variant="cooperative" if T >= 2048 else None,
+                     workspace=ws, seed=i)
+        case.check(det)
+
+
+@pytest.mark.parametrize("routes", [32, 33])
+def test_one_warp_limit(emu, routes):
+    case = Case(routes, 1, 64, 16, seed=routes)
+    for det in (False, True):
+        launch = _run(emu, case, det, seeds=(0,))
+        assert launch.tiny
+
+
+def test_translation_refuses_unknown_ptx():
+    with pytest.raises(ValueError, match="does not know this inline PTX"):
+        emulator.translate('extern __shared__ unsigned char dynamic_smem[];\n'
+                           'void f() { asm volatile("trap;"); }')
+
+
+def test_shared_declarations_become_arena_references():
+    out = emulator.translate("extern __shared__ __align__(16) unsigned char dynamic_smem[];\n"
+                             "void f() {\n  __shared__ int a[32], b;\n}\n")
+    assert "auto& a = mla_emu::shared_var<int[32]>(0);" in out
+    assert "auto& b = mla_emu::shared_var<int>(1);" in out
+
+
+def test_a_missing_barrier_is_caught(emu, tmp_path):
+    """The emulator has teeth: align_tiny without the barrier between its claims and its
+    scan gives a wrong answer under some schedule."""
+    src = Path(emulator._kernels.kernel_dir())
+    shutil.copytree(src, tmp_path / "kernels")
+    path = tmp_path / "kernels" / "one_block.cuh"
+    text = path.read_text()
+    claims = "bucket_bits(nb));\n  }\n  __syncthreads();"
+    assert text.count(claims) == 1
+    path.write_text(text.replace(claims, "bucket_bits(nb));\n  }"))
+    broken = emulator.Emulator(emulator.build(tmp_path / "kernels"))
+    wrong = 0
+    for seed in range(6):
+        case = Case(16, 8, 256, 16, seed=seed)
+        emulator.run(broken, case.job(True), seed=seed)
+        try:
+            case.check(True)
+        except AssertionError:
+            wrong += 1
+    assert wrong > 0
+
+
+def test_a_barrier_that_cannot_complete_is_reported(emu, tmp_path):
+    src = Path(emulator._kernels.kernel_dir())
+    shutil.copytree(src, tmp_path / "kernels")
+    path = tmp_path / "kernels" / "one_block.cuh"
+    text = path.read_text()
+    scan = "  if (tid == 0) starts[nb] = total;\n"
+    assert text.count(scan) == 1
+    # Thread 0 waits for an arrival that never comes; the others wait for it at the barrier.
+    never = "  if (tid == 0) while (*(volatile unsigned*)p.ticket < 1u) __nanosleep(32);\n"
+    path.write_text(text.replace(scan, scan + never))
+    broken = emulator.Emulator(emulator.build(tmp_path / "kernels"))
+    with pytest.raises(RuntimeError, match="deadlock"):
+        emulator.run(broken, Case(16, 8, 256, 16).job(False))
