@@ -306,6 +306,27 @@ def test_a_missing_barrier_is_caught(emu, tmp_path):
     assert wrong > 0
 
 
+def test_a_grid_barrier_that_does_not_wait_is_caught(emu, tmp_path):
+    """The cooperative kernel whose grid barrier lets every block through at once gives a
+    wrong answer under some schedule (held blocks start only once the others are stuck)."""
+    shutil.copytree(Path(emulator._kernels.kernel_dir()), tmp_path / "kernels")
+    path = tmp_path / "kernels" / "cooperative.cuh"
+    text = path.read_text()
+    wait = "    while (load_acquire(arrivals) < blocks) {\n    }\n"
+    assert text.count(wait) == 1
+    path.write_text(text.replace(wait, ""))
+    broken = emulator.Emulator(emulator.build(tmp_path / "kernels"))
+    wrong = 0
+    for seed in range(4):
+        case = Case(1024, 8, 256, 64, seed=seed)
+        emulator.run(broken, case.job(False), variant="cooperative", seed=seed)
+        try:
+            case.check(False)
+        except AssertionError:
+            wrong += 1
+    assert wrong > 0
+
+
 def test_a_barrier_that_cannot_complete_is_reported(emu, tmp_path):
     src = Path(emulator._kernels.kernel_dir())
     shutil.copytree(src, tmp_path / "kernels")

@@ -497,13 +497,20 @@ inline std::string run(void (*body)(const void* const*), const void* const* args
   // as far as their barriers let them and a missing barrier shows as a read before the write
   // it should have waited for.
   const size_t warps_per_block = (block + 31) / 32, nwarps = (size_t)grid * warps_per_block;
+  // Held blocks (about half, never all) start only once the others can go no further, one at
+  // a time: as late as a GPU could start them, so a block's stores (a fill block's, say) land
+  // after those of any block that should have waited for them and did not.
   std::vector<double> speed(nwarps, 1.0);
+  std::vector<char> held(grid, 0);
+  size_t holding = 0;
   std::uniform_real_distribution<double> coin(0.0, 1.0);
   if (skew) {
     std::vector<double> block_speed(grid);
     for (auto& v : block_speed) v = 0.25 + 0.75 * coin(l.rng);
     for (size_t w = 0; w < nwarps; ++w)
       speed[w] = block_speed[w / warps_per_block] * (0.25 + 0.75 * coin(l.rng));
+    for (unsigned b = 0; b < grid; ++b) holding += held[b] = (char)(l.rng() & 1);
+    if (holding == grid) held[l.rng() % grid] = 0, --holding;
   }
   std::vector<size_t> order(nwarps);
   for (size_t w = 0; w < nwarps; ++w) order[w] = w;
@@ -515,6 +522,7 @@ inline std::string run(void (*body)(const void* const*), const void* const* args
     const bool everyone = !skew || idle_passes > 0;  // after an idle pass, a full one
     bool moved = false;
     for (size_t w : order) {
+      if (held[w / warps_per_block]) continue;
       if (!everyone && coin(l.rng) >= speed[w]) continue;
       const size_t first = w / warps_per_block * block + (w % warps_per_block) * 32;
       const size_t lanes = std::min<size_t>(32, (w / warps_per_block + 1) * block - first);
@@ -532,6 +540,13 @@ inline std::string run(void (*body)(const void* const*), const void* const* args
       if (!l.error.empty()) break;
     }
     idle_passes = (moved || events != l.events) ? 0 : idle_passes + 1;
+    if (idle_passes >= 2 && holding > 0) {  // the others are stuck or done: start a held one
+      size_t pick = l.rng() % holding;
+      for (unsigned b = 0; b < grid; ++b)
+        if (held[b] && pick-- == 0) held[b] = 0;
+      --holding;
+      idle_passes = 0;
+    }
     if (l.error.empty() && left > 0 && idle_passes >= 3)
       l.error = "deadlock: every thread waits at a barrier, a collective or a poll that "
                 "nothing left can satisfy";
@@ -546,7 +561,7 @@ inline std::string run(void (*body)(const void* const*), const void* const* args
       switch_context(l.main, f.ctx);
     }
   }
-  if (std::getenv("MLA_EMU_STATS")) std::fprintf(stderr, "switches %ld threads %zu\n", l.switches, nthreads);
+  if (std::getenv("MLA_EMU_STATS")) std::fprintf(stderr, "switches %ld threads %zu grid %u\n", l.switches, nthreads, grid);
   current() = nullptr;
   return l.error;
 }
