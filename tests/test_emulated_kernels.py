@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import emulator
-from moe_lora_align import AlignPolicy, _call, _dispatch
+from moe_lora_align import AlignPolicy, _call, _dispatch, _kernels
 from moe_lora_align._sizes import buffer_sizes
 from moe_lora_align.testing import (GUARD, POISON, canonical, guarded, make_lora,
                                     make_routing, segment_starts)
@@ -340,3 +340,37 @@ def test_a_barrier_that_cannot_complete_is_reported(emu, tmp_path):
     broken = emulator.Emulator(emulator.build(tmp_path / "kernels"))
     with pytest.raises(RuntimeError, match="deadlock"):
         emulator.run(broken, Case(16, 8, 256, 16).job(False))
+
+
+def test_every_kernel_runs_on_the_emulator(emu):
+    """One call of each launch shape and mode, both alone and fused, between them launch
+    every kernel instance of the dtype: none is left to the GPU alone."""
+    start = len(emu.launched)
+    for T, E, rows, variant, policy in [(40, 64, None, None, WITHOUT_TINY),
+                                        (40, 64, None, None, _dispatch.DEFAULT_POLICY),
+                                        (256, 256, None, "cluster", _dispatch.DEFAULT_POLICY),
+                                        (2048, 256, None, "cooperative", ORDERED),
+                                        (2048, 256, None, "cooperative", SORTED),
+                                        (1024, 64, None, "shared", ORDERED),
+                                        (1024, 64, None, "global", ORDERED),
+                                        (1024, 64, None, "shared", SORTED)]:
+        for det in (False, True):
+            if not _refused(variant, det, T * 8, E, 1, policy):
+                _run(emu, Case(T, 8, E, 16, rows=rows, seed=T), det, variant, policy,
+                     seeds=(0,))
+    for T, E, rows, policy in [(16, 64, 4, _dispatch.DEFAULT_POLICY), (16, 64, 4, WITHOUT_TINY),
+                               (256, 64, 4, _dispatch.DEFAULT_POLICY),
+                               (2048, 64, 4, _dispatch.DEFAULT_POLICY),
+                               (2048, 256, 16, _dispatch.DEFAULT_POLICY)]:
+        for det in (False, True):
+            base, lora = Case(T, 8, E, 64, seed=T), Case(T, 8, E, 64, rows=rows, seed=T)
+            lora.ids[:] = base.ids
+            lora.want = [np.full(sh, POISON, np.int32) for sh in lora.shapes]
+            _call.run_on_host(lora.prepare(lora.want, False).job)
+            emulator.run_pair(emu, base.job(det), lora.job(det), streams="fused",
+                              policy=policy)
+            base.check(det)
+            lora.check(det)
+    ran = {name for name, _, _ in emu.launched[start:]}
+    missing = set(_kernels.kernel_names(np.int32).values()) - ran
+    assert not missing, f"never launched on the emulator: {sorted(missing)}"
