@@ -4,6 +4,7 @@
     python scripts/fuzz.py --cases 10000 --seed N [--json PATH]
     python scripts/fuzz.py --seed N --only 1234          # rerun one reported case
     python scripts/fuzz.py --numpy --cases 200           # the harness alone, no GPU
+    python scripts/fuzz.py --emulator --cases 2000       # the kernels on the CPU, no GPU
 
 Case i of seed S is drawn from numpy.random.default_rng([S, i]); every failure is printed as
 "seed S case i: <describe>" with its error. Prints progress, then the totals (run / skipped as
@@ -36,6 +37,9 @@ def _parse():
     p.add_argument("--json", default=None, help="write a JSON summary here")
     p.add_argument("--numpy", action="store_true",
                    help="run the cases NumPy against NumPy (tests the harness; no GPU)")
+    p.add_argument("--emulator", action="store_true",
+                   help="run the kernels on the CPU emulator (tests/emulator; no GPU), cases "
+                        "drawn within fuzz_cases.EMULATOR_BOUNDS")
     p.add_argument("--max-failures", type=int, default=50,
                    help="stop after this many failures (a CUDA fault poisons the context)")
     p.add_argument("--progress-s", type=float, default=10.0, help="seconds between progress lines")
@@ -58,9 +62,17 @@ def _warm_up(xp):
 def main():
     args = _parse()
     seed = args.seed if args.seed is not None else int(time.time()) % 1_000_000
+    bounds = None
     if args.numpy:
         xp = np
         device = "numpy (harness check, no GPU)"
+    elif args.emulator:
+        import emulator
+
+        t0 = time.perf_counter()
+        xp = emulator.Emulator(emulator.build(dtypes=tuple(np.dtype(d) for d in fc.DTYPES)))
+        bounds = fc.EMULATOR_BOUNDS
+        device = f"CPU emulator (tests/emulator, built in {time.perf_counter() - t0:.1f} s)"
     else:
         try:
             import cupy
@@ -80,7 +92,7 @@ def main():
     print(f"fuzz: seed {seed}, {len(indices)} cases from {indices[0] if indices else 0}, "
           f"on {device}", flush=True)
     t_start = time.perf_counter()
-    warm = _warm_up(xp)
+    warm = 0.0 if args.emulator else _warm_up(xp)
     print(f"warm-up (kernel compile/load, every dtype): {warm:.1f} s", flush=True)
 
     state = {"last": time.perf_counter(), "done": 0, "slow": [], "by_mode": {}}
@@ -103,7 +115,7 @@ def main():
                   f"({state['done'] / max(el - warm, 1e-9):.0f} cases/s)", flush=True)
 
     counts, failures = fc.run_many(seed, indices, xp, on_result=on_result,
-                                   max_failures=args.max_failures)
+                                   max_failures=args.max_failures, bounds=bounds)
     elapsed = time.perf_counter() - t_start
     if state["slow"]:
         print("slowest cases:")
@@ -112,7 +124,9 @@ def main():
     for f in failures:
         print(fc.failure_line(f))
     if failures:
-        print(f"rerun one: python scripts/fuzz.py --seed {seed} --only {failures[0]['case']}")
+        flag = " --emulator" if args.emulator else ""
+        print(f"rerun one: python scripts/fuzz.py{flag} --seed {seed} "
+              f"--only {failures[0]['case']}")
     # the totals last, so that a log's tail always shows them
     print(f"run {counts['ok']}  skipped as refused {counts['refused']}  failed "
           f"{counts['failed']}  (seed {seed}, {sum(counts.values())} of {len(indices)} cases, "

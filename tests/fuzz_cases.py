@@ -40,6 +40,9 @@ MAX_ENTRIES = 2**25           # output entries rows * (P + M), all outputs of th
 TYPICAL_ENTRIES = 2**21       # most cases stay below this; BIG_FRACTION may use MAX_ENTRIES
 BIG_FRACTION = 0.03
 
+# Smaller bounds for the CPU emulator (every CUDA thread a fiber): a case in about 0.2 s.
+EMULATOR_BOUNDS = dict(max_numel=2**15, max_buckets=2**14, max_entries=2**21)
+
 # numel values just around the kernels' limits (one block: 512 routes one a thread, 4096 in
 # all; the cooperative launch: 132 SMs x 8192 routes on an H200)
 NUMEL_EDGES = (511, 512, 513, 1023, 1024, 1025, 2047, 2048, 4095, 4096, 4097, 8192, 132 * 1024,
@@ -548,12 +551,67 @@ def compare(case: Case, got, want):
                        totals, exact=case.det, rows=rows, pitch=pitch, offset=offset, P=P)
 
 
-def run_case(case: Case, xp) -> str:
-    """Run ``case`` on ``xp`` (cupy: the GPU) and on the NumPy backend and compare. Returns
-    "ok" or "refused" (a forced variant or streams mode the dispatcher refuses); raises
-    CaseFailure (or the backend's exception) otherwise."""
+def execute_emulated(case: Case, emu, seed=0):
+    """``execute``'s device side with the kernels on the CPU emulator (``tests/emulator``):
+    the call is checked and its outputs made as the host path does (``_call.prepare``,
+    ``allocate``), then the package's launch path runs the kernels, the forced variant and
+    streams mode as drawn (two side streams become one; the launches are the same)."""
+    import emulator
+    from moe_lora_align import _call
+    from moe_lora_align._launch import MAP_BEFORE, MAP_NONE
+
+    outs = {s: _out_buffers(case, np, s) if case.out else None
+            for s in ("base", "lora") if getattr(case, "has_" + s)}
+    view = lambda s: None if outs.get(s) is None else [b[2] for b in outs[s]]  # noqa: E731
+    kw = dict(pad_sorted_ids=case.pad, deterministic=case.det,
+              validate=bool(case.validate_dev))
+    pair = case.mode == "pair"
+    calls = {}
+    if case.has_base:
+        calls["base"] = _call.prepare(
+            case.topk_ids, case.B, case.E, rows=1, expert_map=case.expert_map,
+            map_mode=_call.map_mode(case.expert_map, case.ignore_invalid), scatter=case.scatter,
+            out=view("base"), out_arg="out_base" if pair else "out", **kw)
+    if case.has_lora:
+        calls["lora"] = _call.prepare(
+            case.topk_ids, case.B, case.E, rows=case.max_loras, lora=True,
+            token_lora_mapping=case.mapping, lora_ids=case.lora_ids,
+            adapter_enabled=case.enabled, expert_map=case.expert_map,
+            map_mode=MAP_NONE if case.expert_map is None else MAP_BEFORE, out=view("lora"),
+            out_arg="out_lora" if pair else "out", **kw)
+    for c in calls.values():
+        _call.allocate(c)
     try:
-        got = execute(case, xp, gpu_side=True)
+        if pair:
+            emulator.run_pair(emu, calls["base"].job, calls["lora"].job, streams=case.streams,
+                              variant=case.variant, seed=seed)
+        else:
+            emulator.run(emu, next(iter(calls.values())).job, variant=case.variant, seed=seed)
+    except ValueError as e:
+        msg = str(e)
+        if (case.variant is not None and "variant" in msg) or (
+                case.streams is not None and "streams" in msg):
+            raise Refused(msg) from e
+        raise
+    got = {}
+    for side, c in calls.items():
+        if outs[side] is not None:
+            got[side] = {name: whole for name, whole, _, _ in outs[side]}
+        else:
+            got[side] = dict(zip(("sorted", "experts", "ntpp", "scatter"), c.results))
+    return got
+
+
+def run_case(case: Case, xp) -> str:
+    """Run ``case`` on ``xp`` (cupy: the GPU; an ``emulator.Emulator``: the kernels on the
+    CPU) and on the NumPy backend and compare. Returns "ok" or "refused" (a forced variant or
+    streams mode the dispatcher refuses); raises CaseFailure (or the backend's exception)
+    otherwise."""
+    try:
+        if hasattr(xp, "launch"):
+            got = execute_emulated(case, xp, seed=case.index or 0)
+        else:
+            got = execute(case, xp, gpu_side=True)
     except Refused:
         return "refused"
     want = execute(case, np, gpu_side=False)
@@ -561,9 +619,10 @@ def run_case(case: Case, xp) -> str:
     return "ok"
 
 
-def run_many(seed, indices, xp, *, on_result=None, max_failures=None):
-    """Run cases ``indices`` of ``seed``; returns (counts, failures). ``on_result(i, case,
-    status, seconds, error)`` is called after each case."""
+def run_many(seed, indices, xp, *, on_result=None, max_failures=None, bounds=None):
+    """Run cases ``indices`` of ``seed`` (drawn within ``bounds``, ``draw_case``'s keyword
+    arguments); returns (counts, failures). ``on_result(i, case, status, seconds, error)`` is
+    called after each case."""
     import time
     import traceback
 
@@ -573,7 +632,7 @@ def run_many(seed, indices, xp, *, on_result=None, max_failures=None):
         t0 = time.perf_counter()
         case, err = None, None
         try:
-            case = case_for(seed, i)
+            case = case_for(seed, i, **(bounds or {}))
             status = run_case(case, xp)
         except Exception as e:  # noqa: BLE001 - every failure is reported with its seed
             status = "failed"

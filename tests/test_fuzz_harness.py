@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections import Counter
@@ -406,3 +407,20 @@ def test_fuzz_script_runs_on_numpy(tmp_path):
     data = json.loads(summary.read_text())
     assert data["seed"] == 7 and data["run"] + data["refused"] == 40 and data["failed"] == 0
     assert "seed 7" in proc.stdout
+
+
+@pytest.mark.emulator
+@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None,
+                    reason="needs a C++ compiler for the kernel emulator")
+def test_fuzz_script_runs_on_the_emulator(tmp_path):
+    """The GPU fuzz's cases with the kernels on the CPU emulator (smaller sizes): every dtype,
+    mode, forced variant and streams mode the cases draw, against the NumPy backend."""
+    root = Path(__file__).resolve().parents[1]
+    summary = tmp_path / "fuzz.json"
+    proc = subprocess.run([sys.executable, str(root / "scripts" / "fuzz.py"), "--emulator",
+                           "--cases", "60", "--seed", "11", "--json", str(summary)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(summary.read_text())
+    assert data["run"] + data["refused"] == 60 and data["failed"] == 0
+    assert data["run"] >= 50
