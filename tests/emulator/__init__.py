@@ -1,7 +1,7 @@
 """The alignment kernels on the CPU, for tests without a GPU.
 
 ``build`` turns the kernels' CUDA source into C++ for ``cuda_emu.h`` (every thread a fiber,
-all blocks of a launch resident at once) and compiles it with the host's C++ compiler into a
+the blocks of a cooperative or cluster launch resident at once) and compiles it with the host's C++ compiler into a
 library cached under ``build/emulator``. ``emulated`` then swaps the driver call at the end of
 the package's own launch path (``_launch.launch_kernel``) for the emulator, so the
 dispatcher's choice, the workspace layout, the packed ``Problem`` and the order of launches
@@ -149,11 +149,17 @@ def unit(source: str, dtypes) -> str:
 extern "C" int mla_emu_launch(const char* name, unsigned grid, unsigned block,
                               unsigned long long smem, const void* const* args,
                               int cluster_blocks, unsigned long long seed,
-                              unsigned preempt, int skew, char* err, int errlen) {
+                              unsigned preempt, int skew, int all_resident, char* err,
+                              int errlen) {
   for (const Entry& e : entries) {
     if (std::strcmp(e.name, name) != 0) continue;
-    const std::string why = mla_emu::run(e.fn, args, grid, block, smem, cluster_blocks, seed,
-                                         preempt, skew != 0);
+    std::string why;
+    try {
+      why = mla_emu::run(e.fn, args, grid, block, smem, cluster_blocks, seed, preempt,
+                         skew != 0, all_resident != 0);
+    } catch (const std::exception& ex) {
+      why = std::string("emulator: ") + ex.what();
+    }
     std::snprintf(err, errlen, "%s", why.c_str());
     return why.empty() ? 0 : 1;
   }
@@ -193,15 +199,19 @@ class Emulator:
         self.lib.mla_emu_launch.argtypes = [
             ctypes.c_char_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_ulonglong,
             ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_ulonglong, ctypes.c_uint,
-            ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
+            ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
         self.launched = []  # (kernel name, grid, block) of every launch, in order
 
     def launch(self, name: str, grid: int, block: int, smem: int, packed, *, cluster=1,
-               seed=0, preempt=0, skew=True) -> None:
+               seed=0, preempt=0, skew=True, cooperative=False) -> None:
+        """``cooperative`` (or a cluster): every block resident at once; else the blocks run
+        in slots of about 16K threads, each slot taking the next block when its own is
+        done."""
         args = (ctypes.c_void_p * len(packed))(*[p.ctypes.data for p in packed])
         err = ctypes.create_string_buffer(512)
         rc = self.lib.mla_emu_launch(name.encode(), grid, block, smem, args, cluster, seed,
-                                     preempt, int(skew), err, len(err))
+                                     preempt, int(skew), int(cooperative or cluster > 1), err,
+                                     len(err))
         self.launched.append((name, grid, block))
         if rc != 0:
             raise RuntimeError(f"{name} <<<{grid}, {block}, {smem}>>>: {err.value.decode()}")
@@ -253,7 +263,8 @@ def emulated(emu: Emulator, limits=LIMITS, seed=0, preempt=0, skew=True):
         name = ks.names[key]
         cluster = _dispatch.CLUSTER_BLOCKS if key[0].startswith("cluster") else 1
         emu.launch(name, grid, block, smem, [j.packed for j in jobs], cluster=cluster,
-                   seed=seed + len(emu.launched), preempt=preempt, skew=skew)
+                   seed=seed + len(emu.launched), preempt=preempt, skew=skew,
+                   cooperative=cooperative)
 
     saved = (_launch.kernels_for, _launch.launch_kernel, _launch.device_limits)
     _launch.kernels_for, _launch.launch_kernel = kernels_for, launch_kernel

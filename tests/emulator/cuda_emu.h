@@ -1,9 +1,9 @@
 // CUDA device code on the CPU, for the tests: every thread of a launch is a fiber, and one OS
 // thread switches between them at the points where CUDA threads meet or poll:
 // __syncthreads, warp collectives, the cluster barrier, atomics, fences and acquire loads.
-// All blocks of a launch are resident at once, so the kernels' grid barriers and tickets
-// work as on a cooperative launch. Shared memory is a per-block arena poisoned at launch;
-// `__shared__` variables are placed in it by the build step (tests/emulator/__init__.py),
+// The blocks of a cooperative or cluster launch are all resident at once, so the kernels'
+// grid barriers and tickets work as on the GPU; other launches run in slots of 16K threads.
+// Shared memory is a per-block arena poisoned at launch; `__shared__` variables are placed in it by the build step (tests/emulator/__init__.py),
 // which also turns the kernels' few inline-PTX statements into the calls below.
 //
 // What it checks: the kernels' index arithmetic, their barriers and collectives (a barrier
@@ -458,10 +458,15 @@ inline void fiber_main() {
   switch_context(f->ctx, l->main);
 }
 
-// Runs `body` over grid x block threads, all blocks at once; returns "" or what went wrong.
+// Runs `body` over grid x block threads; returns "" or what went wrong. `all_resident`: every
+// block at once (cooperative and cluster launches); else blocks of at most RESIDENT_THREADS
+// threads in all at a time, each slot taking the next block once its block is done.
+constexpr unsigned RESIDENT_THREADS = 16384;
+
 inline std::string run(void (*body)(const void* const*), const void* const* args, unsigned grid,
                        unsigned block, size_t dynamic_smem_bytes, int cluster_blocks,
-                       unsigned long long seed, unsigned preempt_per_mille, bool skew) {
+                       unsigned long long seed, unsigned preempt_per_mille, bool skew,
+                       bool all_resident) {
   Launch l;
   l.grid = {grid, 1, 1};
   l.block = {block, 1, 1};
@@ -470,51 +475,60 @@ inline std::string run(void (*body)(const void* const*), const void* const* args
   l.preempt_per_mille = preempt_per_mille;
   l.body = body;
   l.args = args;
+  if (grid == 0 || block == 0) return "";
   if (grid % l.cluster_blocks) return "grid is not a whole number of clusters";
+  const unsigned slots =
+      all_resident ? grid : std::max(1u, std::min(grid, RESIDENT_THREADS / std::max(block, 1u)));
+  const size_t warps_per_block = (block + 31) / 32, nwarps = (size_t)slots * warps_per_block;
   l.blocks.resize(grid);
   l.clusters.resize(grid / l.cluster_blocks);
-  const size_t nthreads = (size_t)grid * block;
-  l.fibers.resize(nthreads);
-  l.max_switches = 2000L * (long)nthreads + 1000000L;
-  current() = &l;
-  for (unsigned bi = 0; bi < grid; ++bi) {
+  l.fibers.resize((size_t)slots * block);
+  l.max_switches = 2000L * (long)grid * (long)block + 1000000L;
+  std::unique_ptr<char[]> stacks(new char[(size_t)slots * block * STACK_BYTES]);  // lazily touched
+  // Skew: every warp gets a speed (its block's x its own, at least 1/16), the chance that it
+  // runs in a pass, and each lane skips a pass now and then, so warps and blocks drift apart
+  // as far as their barriers let them and a missing barrier shows as a read before the write
+  // it should have waited for. Held blocks (about half) start only once the others can go no
+  // further, one at a time: as late as a GPU could start them, so a block's stores (a fill
+  // block's, say) land after those of any block that should have waited for them and did not.
+  std::vector<double> speed(nwarps, 1.0);
+  std::vector<char> held(slots, 0);
+  std::vector<long> slot_block(slots, -1);
+  size_t holding = 0;
+  std::uniform_real_distribution<double> coin(0.0, 1.0);
+  unsigned next_block = 0;
+  const auto start_block = [&](unsigned s) {
+    const unsigned bi = next_block++;
+    slot_block[s] = bi;
     Block& b = l.blocks[bi];
     b.index = bi;
     b.arena.assign(STATIC_SMEM + dynamic_smem_bytes + 16, SMEM_POISON);
     b.live = (int)block;
-    b.warps.resize((block + 31) / 32);
-  }
-  std::unique_ptr<char[]> stacks(new char[nthreads * STACK_BYTES]);  // touched as used
-  for (size_t i = 0; i < nthreads; ++i) {
-    Fiber& f = l.fibers[i];
-    f.block = &l.blocks[i / block];
-    f.tid = (unsigned)(i % block);
-    f.stack = stacks.get() + i * STACK_BYTES;
-    make_context(f.ctx, f.stack, STACK_BYTES, fiber_main);
-  }
-  // Skew: every warp gets a speed (its block's x its own, at least 1/16), the chance that it
-  // runs in a pass, and each lane skips a pass now and then, so warps and blocks drift apart
-  // as far as their barriers let them and a missing barrier shows as a read before the write
-  // it should have waited for.
-  const size_t warps_per_block = (block + 31) / 32, nwarps = (size_t)grid * warps_per_block;
-  // Held blocks (about half, never all) start only once the others can go no further, one at
-  // a time: as late as a GPU could start them, so a block's stores (a fill block's, say) land
-  // after those of any block that should have waited for them and did not.
-  std::vector<double> speed(nwarps, 1.0);
-  std::vector<char> held(grid, 0);
-  size_t holding = 0;
-  std::uniform_real_distribution<double> coin(0.0, 1.0);
-  if (skew) {
-    std::vector<double> block_speed(grid);
-    for (auto& v : block_speed) v = 0.25 + 0.75 * coin(l.rng);
-    for (size_t w = 0; w < nwarps; ++w)
-      speed[w] = block_speed[w / warps_per_block] * (0.25 + 0.75 * coin(l.rng));
-    for (unsigned b = 0; b < grid; ++b) holding += held[b] = (char)(l.rng() & 1);
-    if (holding == grid) held[l.rng() % grid] = 0, --holding;
-  }
+    b.arrived = 0;
+    b.gen = 0;
+    b.warps.assign(warps_per_block, Warp());
+    std::fill(std::begin(b.exited_lanes), std::end(b.exited_lanes), 0u);
+    for (unsigned t = 0; t < block; ++t) {
+      Fiber& f = l.fibers[(size_t)s * block + t];
+      f = Fiber();
+      f.block = &b;
+      f.tid = t;
+      f.stack = stacks.get() + ((size_t)s * block + t) * STACK_BYTES;
+      make_context(f.ctx, f.stack, STACK_BYTES, fiber_main);
+    }
+    if (skew) {
+      const double block_speed = 0.25 + 0.75 * coin(l.rng);
+      for (size_t w = 0; w < warps_per_block; ++w)
+        speed[s * warps_per_block + w] = block_speed * (0.25 + 0.75 * coin(l.rng));
+      held[s] = (char)(l.rng() & 1);
+      holding += held[s];
+    }
+  };
+  current() = &l;
+  for (unsigned s = 0; s < slots; ++s) start_block(s);
   std::vector<size_t> order(nwarps);
   for (size_t w = 0; w < nwarps; ++w) order[w] = w;
-  size_t left = nthreads;
+  size_t left = (size_t)grid * block;
   int idle_passes = 0;  // passes in which nothing could have changed what anyone waits for
   while (left > 0 && l.error.empty()) {
     std::shuffle(order.begin(), order.end(), l.rng);
@@ -522,14 +536,14 @@ inline std::string run(void (*body)(const void* const*), const void* const* args
     const bool everyone = !skew || idle_passes > 0;  // after an idle pass, a full one
     bool moved = false;
     for (size_t w : order) {
-      if (held[w / warps_per_block]) continue;
+      const size_t s = w / warps_per_block;
+      if (slot_block[s] < 0 || held[s]) continue;
       if (!everyone && coin(l.rng) >= speed[w]) continue;
-      const size_t first = w / warps_per_block * block + (w % warps_per_block) * 32;
-      const size_t lanes = std::min<size_t>(32, (w / warps_per_block + 1) * block - first);
+      const size_t first = s * block + (w % warps_per_block) * 32;
+      const size_t lanes = std::min<size_t>(32, (s + 1) * block - first);
       const size_t rot = l.rng() % lanes;
       for (size_t k = 0; k < lanes && l.error.empty(); ++k) {
-        const size_t i = first + (k + rot) % lanes;
-        Fiber& f = l.fibers[i];
+        Fiber& f = l.fibers[first + (k + rot) % lanes];
         if (f.done || !ready(l, f) || (!everyone && (l.rng() & 3) == 0)) continue;
         l.cur = &f;
         ++l.switches;
@@ -538,12 +552,19 @@ inline std::string run(void (*body)(const void* const*), const void* const* args
         else if (f.yielded == RUN) moved = true;
       }
       if (!l.error.empty()) break;
+      Block& b = l.blocks[slot_block[s]];
+      if (b.live == 0) {  // the slot's block is done: free its shared memory, take the next
+        std::vector<unsigned char>().swap(b.arena);
+        slot_block[s] = -1;
+        if (next_block < grid) start_block((unsigned)s);
+        moved = true;
+      }
     }
     idle_passes = (moved || events != l.events) ? 0 : idle_passes + 1;
     if (idle_passes >= 2 && holding > 0) {  // the others are stuck or done: start a held one
       size_t pick = l.rng() % holding;
-      for (unsigned b = 0; b < grid; ++b)
-        if (held[b] && pick-- == 0) held[b] = 0;
+      for (unsigned s = 0; s < slots; ++s)
+        if (held[s] && pick-- == 0) held[s] = 0;
       --holding;
       idle_passes = 0;
     }
@@ -556,12 +577,13 @@ inline std::string run(void (*body)(const void* const*), const void* const* args
   if (!l.error.empty()) {
     // Unwind every fiber still inside the body (each throws Abort at its yield).
     for (Fiber& f : l.fibers) {
-      if (f.done) continue;
+      if (f.done || f.block == nullptr) continue;
       l.cur = &f;
       switch_context(l.main, f.ctx);
     }
   }
-  if (std::getenv("MLA_EMU_STATS")) std::fprintf(stderr, "switches %ld threads %zu grid %u\n", l.switches, nthreads, grid);
+  if (std::getenv("MLA_EMU_STATS"))
+    std::fprintf(stderr, "switches %ld grid %u block %u\n", l.switches, grid, block);
   current() = nullptr;
   return l.error;
 }
