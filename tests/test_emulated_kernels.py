@@ -284,60 +284,49 @@ def test_shared_declarations_become_arena_references():
     assert "auto& b = mla_emu::shared_var<int>(1);" in out
 
 
+def _mutant(tmp_path, name, old, new):
+    """The emulator built from the kernels with ``old`` (once in ``name``) made ``new``."""
+    shutil.copytree(Path(emulator._kernels.kernel_dir()), tmp_path / "kernels")
+    path = tmp_path / "kernels" / name
+    text = path.read_text()
+    assert text.count(old) == 1
+    path.write_text(text.replace(old, new))
+    return emulator.Emulator(emulator.build(tmp_path / "kernels"))
+
+
+def _wrong_answers(broken, T, E, B, det, variant, seeds):
+    wrong = 0
+    for seed in seeds:
+        case = Case(T, 8, E, B, seed=seed)
+        emulator.run(broken, case.job(det), variant=variant, seed=seed)
+        try:
+            case.check(det)
+        except AssertionError:
+            wrong += 1
+    return wrong
+
+
 def test_a_missing_barrier_is_caught(emu, tmp_path):
     """The emulator has teeth: align_tiny without the barrier between its claims and its
     scan gives a wrong answer under some schedule."""
-    src = Path(emulator._kernels.kernel_dir())
-    shutil.copytree(src, tmp_path / "kernels")
-    path = tmp_path / "kernels" / "one_block.cuh"
-    text = path.read_text()
     claims = "bucket_bits(nb));\n  }\n  __syncthreads();"
-    assert text.count(claims) == 1
-    path.write_text(text.replace(claims, "bucket_bits(nb));\n  }"))
-    broken = emulator.Emulator(emulator.build(tmp_path / "kernels"))
-    wrong = 0
-    for seed in range(6):
-        case = Case(16, 8, 256, 16, seed=seed)
-        emulator.run(broken, case.job(True), seed=seed)
-        try:
-            case.check(True)
-        except AssertionError:
-            wrong += 1
-    assert wrong > 0
+    broken = _mutant(tmp_path, "one_block.cuh", claims, "bucket_bits(nb));\n  }")
+    assert _wrong_answers(broken, 16, 256, 16, True, None, range(6)) > 0
 
 
 def test_a_grid_barrier_that_does_not_wait_is_caught(emu, tmp_path):
     """The cooperative kernel whose grid barrier lets every block through at once gives a
     wrong answer under some schedule (held blocks start only once the others are stuck)."""
-    shutil.copytree(Path(emulator._kernels.kernel_dir()), tmp_path / "kernels")
-    path = tmp_path / "kernels" / "cooperative.cuh"
-    text = path.read_text()
     wait = "    while (load_acquire(arrivals) < blocks) {\n    }\n"
-    assert text.count(wait) == 1
-    path.write_text(text.replace(wait, ""))
-    broken = emulator.Emulator(emulator.build(tmp_path / "kernels"))
-    wrong = 0
-    for seed in range(4):
-        case = Case(1024, 8, 256, 64, seed=seed)
-        emulator.run(broken, case.job(False), variant="cooperative", seed=seed)
-        try:
-            case.check(False)
-        except AssertionError:
-            wrong += 1
-    assert wrong > 0
+    broken = _mutant(tmp_path, "cooperative.cuh", wait, "")
+    assert _wrong_answers(broken, 1024, 256, 64, False, "cooperative", range(4)) > 0
 
 
 def test_a_barrier_that_cannot_complete_is_reported(emu, tmp_path):
-    src = Path(emulator._kernels.kernel_dir())
-    shutil.copytree(src, tmp_path / "kernels")
-    path = tmp_path / "kernels" / "one_block.cuh"
-    text = path.read_text()
-    scan = "  if (tid == 0) starts[nb] = total;\n"
-    assert text.count(scan) == 1
     # Thread 0 waits for an arrival that never comes; the others wait for it at the barrier.
+    scan = "  if (tid == 0) starts[nb] = total;\n"
     never = "  if (tid == 0) while (*(volatile unsigned*)p.ticket < 1u) __nanosleep(32);\n"
-    path.write_text(text.replace(scan, scan + never))
-    broken = emulator.Emulator(emulator.build(tmp_path / "kernels"))
+    broken = _mutant(tmp_path, "one_block.cuh", scan, scan + never)
     with pytest.raises(RuntimeError, match="deadlock"):
         emulator.run(broken, Case(16, 8, 256, 16).job(False))
 

@@ -397,16 +397,21 @@ def test_host_backend_on_hostile_values_equals_sanitised_inputs():
 
 
 # ---- the long-run script -------------------------------------------------------------------
-def test_fuzz_script_runs_on_numpy(tmp_path):
+def _fuzz_script(tmp_path, flag, cases, seed, timeout):
+    """``scripts/fuzz.py`` run as a user would; returns its output and its JSON summary."""
     root = Path(__file__).resolve().parents[1]
     summary = tmp_path / "fuzz.json"
-    proc = subprocess.run([sys.executable, str(root / "scripts" / "fuzz.py"), "--numpy",
-                           "--cases", "40", "--seed", "7", "--json", str(summary)],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, str(root / "scripts" / "fuzz.py"), flag,
+                           "--cases", str(cases), "--seed", str(seed), "--json", str(summary)],
+                          capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    data = json.loads(summary.read_text())
+    return proc.stdout, json.loads(summary.read_text())
+
+
+def test_fuzz_script_runs_on_numpy(tmp_path):
+    out, data = _fuzz_script(tmp_path, "--numpy", 40, 7, 120)
     assert data["seed"] == 7 and data["run"] + data["refused"] == 40 and data["failed"] == 0
-    assert "seed 7" in proc.stdout
+    assert "seed 7" in out
 
 
 @pytest.mark.emulator
@@ -415,12 +420,6 @@ def test_fuzz_script_runs_on_numpy(tmp_path):
 def test_fuzz_script_runs_on_the_emulator(tmp_path):
     """The GPU fuzz's cases with the kernels on the CPU emulator (smaller sizes): every dtype,
     mode, forced variant and streams mode the cases draw, against the NumPy backend."""
-    root = Path(__file__).resolve().parents[1]
-    summary = tmp_path / "fuzz.json"
-    proc = subprocess.run([sys.executable, str(root / "scripts" / "fuzz.py"), "--emulator",
-                           "--cases", "60", "--seed", "11", "--json", str(summary)],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    data = json.loads(summary.read_text())
+    _, data = _fuzz_script(tmp_path, "--emulator", 60, 11, 600)
     assert data["run"] + data["refused"] == 60 and data["failed"] == 0
     assert data["run"] >= 50

@@ -646,35 +646,32 @@ inline void __syncwarp(unsigned mask = 0xffffffffu) {
   mla_emu::collective(mla_emu::Op::syncwarp, mask, 0, 0);
 }
 
+namespace mla_emu {
+// Atomics: no other thread runs between the read and the write (one OS thread), so a
+// read-modify-write is atomic; a switch may come first, where a GPU thread could be overtaken.
+template <typename T, typename Update>
+inline T atomic_update(T* p, Update update) {
+  maybe_preempt();
+  const T old = *p;
+  *p = update(old);
+  ++current()->events;
+  return old;
+}
+}  // namespace mla_emu
+
 template <typename T>
 inline T atomicAdd(T* p, T v) {
-  mla_emu::maybe_preempt();
-  const T old = *p;
-  *p = old + v;
-  ++mla_emu::current()->events;
-  return old;
+  return mla_emu::atomic_update(p, [v](T old) { return old + v; });
 }
 template <typename T>
 inline T atomicOr(T* p, T v) {
-  mla_emu::maybe_preempt();
-  const T old = *p;
-  *p = old | v;
-  ++mla_emu::current()->events;
-  return old;
+  return mla_emu::atomic_update(p, [v](T old) { return old | v; });
 }
 template <typename T>
 inline T atomicMax(T* p, T v) {
-  mla_emu::maybe_preempt();
-  const T old = *p;
-  *p = old < v ? v : old;
-  ++mla_emu::current()->events;
-  return old;
+  return mla_emu::atomic_update(p, [v](T old) { return old < v ? v : old; });
 }
 template <typename T>
 inline T atomicExch(T* p, T v) {
-  mla_emu::maybe_preempt();
-  const T old = *p;
-  *p = v;
-  ++mla_emu::current()->events;
-  return old;
+  return mla_emu::atomic_update(p, [v](T) { return v; });
 }
