@@ -271,6 +271,32 @@ def test_one_warp_limit(emu, routes):
         assert launch.tiny
 
 
+# Sizes on both sides of every limit where the dispatcher changes its mind or a kernel
+# changes its shape (on the emulated device: 4 SMs): (routes, experts, rows, variant).
+_POL = _dispatch.DEFAULT_POLICY
+_COOP_MOST = emulator.LIMITS.sm_count * _dispatch.COOP_ITEMS * _dispatch.BLOCK
+LIMIT_SIZES = [
+    (_POL.one_route_per_thread, 64, None, None), (_POL.one_route_per_thread + 1, 64, None, None),
+    (_dispatch.SINGLE_BLOCK_MAX_ROUTES, 64, None, "shared"),
+    (_dispatch.SINGLE_BLOCK_MAX_ROUTES + 1, 64, None, "shared"),
+    (100, _POL.tiny_one_bucket_max, None, None), (100, _POL.tiny_one_bucket_max + 1, None, None),
+    (_POL.cluster_min_routes - 1, 256, None, None), (_POL.cluster_min_routes, 256, None, None),
+    (_POL.cluster_max_routes, 256, None, None), (_POL.cluster_max_routes + 1, 256, None, None),
+    (4096, _POL.cluster_max_buckets, None, None), (4096, _POL.cluster_max_buckets + 1, None, None),
+    (_COOP_MOST, 64, None, "cooperative"), (_COOP_MOST + 1, 64, None, None),
+    (_dispatch.ORDER_DIGITS_MAX, 256, 16, None), (_dispatch.ORDER_DIGITS_MAX + 1, 256, 16, None),
+]
+
+
+@pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
+@pytest.mark.parametrize("numel,E,rows,variant", LIMIT_SIZES)
+def test_both_sides_of_every_limit(emu, numel, E, rows, variant, det):
+    if _refused(variant, det, numel, (rows or 1) * E, rows or 1, _POL):
+        pytest.skip("the dispatcher refuses this variant at these sizes")
+    _run(emu, Case(numel, 1, E, 16, rows=rows, seed=numel + E, kind="hot"), det, variant,
+         seeds=(0,))
+
+
 def test_translation_refuses_unknown_ptx():
     with pytest.raises(ValueError, match="does not know this inline PTX"):
         emulator.translate('extern __shared__ unsigned char dynamic_smem[];\n'
