@@ -233,16 +233,31 @@ def host_array(a):
     return None if a is None else HostArray(np.ascontiguousarray(a))
 
 
+SCRATCH_GUARD = 64          # poisoned int32 entries on each side of a workspace
+SCRATCH_POISON = -5555
+
+
 class HostWorkspace(_launch.Workspace):
-    """A workspace in NumPy memory (the package's layout, ``Workspace._carve``)."""
+    """A workspace in NumPy memory (the package's layout, ``Workspace._carve``), with
+    poisoned guard zones on both sides that ``check_guards`` reads."""
 
     def __init__(self):
         super().__init__(device_id=0)
+        self.whole = None
 
     def _grow(self, num_buckets, matrix_entries, stream):
         nb, nm = max(num_buckets, self.buckets, 1), max(matrix_entries, self.matrix, 1)
-        self._carve(HostArray(np.zeros(_launch.workspace_entries(nb, nm), np.int32)), nb, nm)
+        n = _launch.workspace_entries(nb, nm)
+        self.whole = np.full(n + 2 * SCRATCH_GUARD, SCRATCH_POISON, np.int32)
+        self.whole[SCRATCH_GUARD:SCRATCH_GUARD + n] = 0
+        self._carve(HostArray(self.whole[SCRATCH_GUARD:SCRATCH_GUARD + n]), nb, nm)
         return self
+
+    def check_guards(self):
+        if self.whole is not None and not (
+                (self.whole[:SCRATCH_GUARD] == SCRATCH_POISON).all()
+                and (self.whole[-SCRATCH_GUARD:] == SCRATCH_POISON).all()):
+            raise AssertionError("a kernel wrote outside its workspace")
 
 
 # An H200's shared memory and features on a few SMs: the cooperative grids stay small.
@@ -295,9 +310,11 @@ def run(emu: Emulator, job: _launch.Job, *, variant=None, policy=_dispatch.DEFAU
         workspace=None, seed=0, limits=LIMITS) -> _dispatch.Launch:
     """One alignment through the package's ``launch_one``; returns the launch it ran."""
     job = device_job(job)
+    workspace = workspace or HostWorkspace()
     with emulated(emu, limits, seed):
         launch = _launch.plan_launch(job, 0, variant, policy)
-        _launch.launch_one(job, launch, workspace or HostWorkspace(), None, 0)
+        _launch.launch_one(job, launch, workspace, None, 0)
+    workspace.check_guards()
     return launch
 
 
@@ -317,4 +334,6 @@ def run_pair(emu: Emulator, base: _launch.Job, lora: _launch.Job, *, streams=Non
             ll = _launch.plan_launch(lora, 0, variant, policy)
         _launch.issue_both("fused" if mode == "fused" else "one", pair, base, lb, ws_base,
                            lora, ll, ws_lora, None, 0)
+    ws_base.check_guards()
+    ws_lora.check_guards()
     return mode, pair

@@ -133,6 +133,7 @@ inline void switch_context(Context& from, Context& to) { swapcontext(&from.uc, &
 constexpr int STATIC_SMEM = 48 << 10;  // room for the kernels' __shared__ variables
 constexpr size_t STACK_BYTES = 128 << 10;
 constexpr unsigned char SMEM_POISON = 0xA5;
+constexpr size_t SMEM_GUARD = 256;  // poisoned bytes past a block's dynamic shared memory
 
 enum class Op { none, shfl, shfl_up, shfl_xor, ballot, reduce_or, match_any, syncwarp };
 
@@ -144,6 +145,7 @@ struct Collective {
   Op op = Op::none;
   unsigned long long value[32];
   int arg[32];
+  int width[32];  // shuffles: the lane groups' width (a power of two up to 32)
   unsigned long long result[32];
 };
 
@@ -259,7 +261,8 @@ inline void syncthreads() {
 
 inline unsigned lane() { return me()->tid & 31; }
 
-inline unsigned long long collective(Op op, unsigned mask, unsigned long long value, int arg) {
+inline unsigned long long collective(Op op, unsigned mask, unsigned long long value, int arg,
+                                     int width = 32) {
   Fiber* f = me();
   Block& b = *f->block;
   const unsigned ln = lane(), w = f->tid >> 5;
@@ -275,8 +278,11 @@ inline unsigned long long collective(Op op, unsigned mask, unsigned long long va
   if (c->arrived == 0) c->op = op;
   else if (c->op != op) fail("lanes of one mask in different warp collectives");
   if ((c->arrived >> ln) & 1u) fail("a lane in the same warp collective twice");
+  if (width < 1 || width > 32 || (width & (width - 1)))
+    fail("a shuffle width that is not a power of two up to 32");
   c->value[ln] = value;
   c->arg[ln] = arg;
+  c->width[ln] = width;
   c->arrived |= 1u << ln;
   ++current()->events;
   const long gen = c->gen;
@@ -284,24 +290,25 @@ inline unsigned long long collective(Op op, unsigned mask, unsigned long long va
     for (unsigned i = 0; i < 32; ++i) {
       if (!((mask >> i) & 1u)) continue;
       unsigned long long r = 0;
-      const int width = 32;
-      const unsigned group = i & ~(unsigned)(width - 1);
+      // Shuffles read within groups of `width` lanes (CUDA's rules): a source past the
+      // group's end (shfl_up: before its start) gives the lane its own value; a source
+      // lane outside the mask gives a poison value.
+      const unsigned width = (unsigned)c->width[i], group = i & ~(width - 1);
+      const auto from = [&](unsigned src) {
+        return ((mask >> src) & 1u) ? c->value[src] : 0xDEADBEEFDEADBEEFull;
+      };
       switch (op) {
-        case Op::shfl: {
-          const unsigned src = group + ((unsigned)c->arg[i] & (width - 1));
-          r = ((mask >> src) & 1u) ? c->value[src] : 0xDEADBEEFDEADBEEFull;
+        case Op::shfl:
+          r = from(group + ((unsigned)c->arg[i] & (width - 1)));
           break;
-        }
         case Op::shfl_up: {
           const int src = (int)i - c->arg[i];
-          r = src < (int)group ? c->value[i]
-              : ((mask >> src) & 1u) ? c->value[src] : 0xDEADBEEFDEADBEEFull;
+          r = src < (int)group ? c->value[i] : from((unsigned)src);
           break;
         }
         case Op::shfl_xor: {
           const unsigned src = i ^ (unsigned)c->arg[i];
-          r = src >= 32 ? c->value[i]
-              : ((mask >> src) & 1u) ? c->value[src] : 0xDEADBEEFDEADBEEFull;
+          r = src >= group + width ? c->value[i] : from(src);
           break;
         }
         case Op::ballot:
@@ -358,14 +365,17 @@ inline T from_bits(unsigned long long u) {
 
 // ---- shared memory -------------------------------------------------------------------------
 inline int static_offset(int id, size_t size, size_t align) {
-  static std::vector<int> offsets;
+  static std::vector<int> offsets, sizes;
   static int used = 0;
-  if (id >= (int)offsets.size()) offsets.resize(id + 1, -1);
+  if (id >= (int)offsets.size()) offsets.resize(id + 1, -1), sizes.resize(id + 1, 0);
   if (offsets[id] < 0) {
     used = (int)((used + align - 1) / align * align);
     offsets[id] = used;
+    sizes[id] = (int)size;
     used += (int)size;
     if (used > STATIC_SMEM) throw std::runtime_error("emulator: static shared memory full");
+  } else if (sizes[id] != (int)size) {  // one declaration, two sizes (a template's types)
+    throw std::runtime_error("emulator: a __shared__ variable of two sizes");
   }
   return offsets[id];
 }
@@ -504,7 +514,7 @@ inline std::string run(void (*body)(const void* const*), const void* const* args
     slot_block[s] = bi;
     Block& b = l.blocks[bi];
     b.index = bi;
-    b.arena.assign(STATIC_SMEM + dynamic_smem_bytes + 16, SMEM_POISON);
+    b.arena.assign(STATIC_SMEM + dynamic_smem_bytes + SMEM_GUARD, SMEM_POISON);
     b.live = (int)block;
     b.arrived = 0;
     b.gen = 0;
@@ -556,6 +566,13 @@ inline std::string run(void (*body)(const void* const*), const void* const* args
       if (!l.error.empty()) break;
       Block& b = l.blocks[slot_block[s]];
       if (b.live == 0) {  // the slot's block is done: free its shared memory, take the next
+        for (size_t k = b.arena.size() - SMEM_GUARD; k < b.arena.size(); ++k)
+          if (b.arena[k] != SMEM_POISON && l.error.empty()) {
+            char what[96];
+            std::snprintf(what, sizeof what, "block %u wrote past its %zu bytes of dynamic "
+                          "shared memory", b.index, dynamic_smem_bytes);
+            l.error = what;
+          }
         std::vector<unsigned char>().swap(b.arena);
         slot_block[s] = -1;
         if (next_block < grid) start_block((unsigned)s);
@@ -616,21 +633,18 @@ inline T __ldg(const T* p) {
 
 template <typename T>
 inline T __shfl_sync(unsigned mask, T v, int src, int width = 32) {
-  (void)width;
   return mla_emu::from_bits<T>(
-      mla_emu::collective(mla_emu::Op::shfl, mask, mla_emu::bits_of(v), src));
+      mla_emu::collective(mla_emu::Op::shfl, mask, mla_emu::bits_of(v), src, width));
 }
 template <typename T>
 inline T __shfl_up_sync(unsigned mask, T v, unsigned delta, int width = 32) {
-  (void)width;
   return mla_emu::from_bits<T>(
-      mla_emu::collective(mla_emu::Op::shfl_up, mask, mla_emu::bits_of(v), (int)delta));
+      mla_emu::collective(mla_emu::Op::shfl_up, mask, mla_emu::bits_of(v), (int)delta, width));
 }
 template <typename T>
 inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32) {
-  (void)width;
   return mla_emu::from_bits<T>(
-      mla_emu::collective(mla_emu::Op::shfl_xor, mask, mla_emu::bits_of(v), lane_mask));
+      mla_emu::collective(mla_emu::Op::shfl_xor, mask, mla_emu::bits_of(v), lane_mask, width));
 }
 inline unsigned __ballot_sync(unsigned mask, int pred) {
   return (unsigned)mla_emu::collective(mla_emu::Op::ballot, mask, pred != 0, 0);
