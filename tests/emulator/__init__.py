@@ -1,8 +1,8 @@
 """The alignment kernels on the CPU, for tests without a GPU.
 
 ``build`` turns the kernels' CUDA source into C++ for ``cuda_emu.h`` (every thread a fiber,
-the blocks of a cooperative or cluster launch resident at once) and compiles it with the host's C++ compiler into a
-library cached under ``build/emulator``. ``emulated`` then swaps the driver call at the end of
+the blocks of a cooperative or cluster launch resident at once) and compiles it with the
+host's C++ compiler into a library cached under ``build/emulator``. ``emulated`` then swaps the driver call at the end of
 the package's own launch path (``_launch.launch_kernel``) for the emulator, so the
 dispatcher's choice, the workspace layout, the packed ``Problem`` and the order of launches
 are the package's; only the kernels run elsewhere. Arrays are NumPy arrays wrapped as
