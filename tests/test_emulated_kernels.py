@@ -10,7 +10,10 @@ mistakes before a GPU round, and runs in CI."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -111,8 +114,10 @@ def _run(emu, case, det, variant=None, policy=_dispatch.DEFAULT_POLICY, seeds=SE
     if case.ids.size * (case.rows or 1) > 100_000:
         seeds = seeds[:1]
     launch = None
+    workspace = emulator.HostWorkspace()  # one for all schedules: what a call leaves, the next sees
     for seed in seeds:
-        launch = emulator.run(emu, case.job(det), variant=variant, policy=policy, seed=seed)
+        launch = emulator.run(emu, case.job(det), variant=variant, policy=policy, seed=seed,
+                              workspace=workspace)
         case.check(det)
     return launch
 
@@ -346,6 +351,46 @@ def test_a_grid_barrier_that_does_not_wait_is_caught(emu, tmp_path):
     wait = "    while (load_acquire(arrivals) < blocks) {\n    }\n"
     broken = _mutant(tmp_path, "cooperative.cuh", wait, "")
     assert _wrong_answers(broken, 1024, 256, 64, False, "cooperative", range(4)) > 0
+
+
+def test_a_cluster_block_that_leaves_early_is_caught(emu, tmp_path):
+    """A cluster block that exits before the others are done reading its shared memory
+    (align_cluster's final wait removed): a block that naps after the cluster barrier reads
+    a poisoned arena. The garbage may index far outside any buffer, so the run is a process
+    of its own, and a crash counts as caught."""
+    _mutant(tmp_path, "cluster.cuh", "  MLA_STAMP(4, 6);\n  cluster_wait();\n",
+            "  MLA_STAMP(4, 6);\n")
+    script = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import emulator, test_emulated_kernels as t\n"
+        "broken = emulator.Emulator(emulator.build(sys.argv[2]))\n"
+        "for seed in range(8):\n"
+        "    case = t.Case(512, 8, 256, 16, seed=seed)\n"
+        "    emulator.run(broken, case.job(False), variant='cluster', seed=seed)\n"
+        "    case.check(False)\n")
+    tests = Path(__file__).resolve().parent
+    proc = subprocess.run([sys.executable, "-c", script, str(tests), str(tmp_path / "kernels")],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "MLA_EMULATOR_CACHE": str(emulator.CACHE)})
+    assert proc.returncode != 0, "the early exit went unnoticed in 8 schedules"
+
+
+def test_scratch_left_dirty_is_caught(emu, tmp_path):
+    """The count kernel leaving its counts behind (the next call's would start from them)."""
+    broken = _mutant(tmp_path, "count_place.cuh", "    p.counts[b] = 0;\n", "")
+    with pytest.raises(AssertionError, match="nonzero entries in the workspace's counts"):
+        emulator.run(broken, Case(1024, 8, 64, 16).job(False), variant="global")
+
+
+def test_a_block_that_waits_for_another_needs_a_cooperative_launch(emu, monkeypatch):
+    """The cooperative kernel launched as an ordinary one: some schedule runs its blocks one
+    at a time, and the first block's wait at the grid barrier never ends."""
+    plain = _dispatch.launch_kernels
+    monkeypatch.setattr(_dispatch, "launch_kernels",
+                        lambda launch, fused=False: [k[:4] + (False,) for k in plain(launch, fused)])
+    with pytest.raises(RuntimeError, match="deadlock"):
+        for seed in range(6):
+            emulator.run(emu, Case(2048, 8, 256, 64, seed=seed).job(False),
+                         variant="cooperative", seed=seed)
 
 
 def test_a_barrier_that_cannot_complete_is_reported(emu, tmp_path):

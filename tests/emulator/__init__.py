@@ -239,7 +239,7 @@ SCRATCH_POISON = -5555
 
 class HostWorkspace(_launch.Workspace):
     """A workspace in NumPy memory (the package's layout, ``Workspace._carve``), with
-    poisoned guard zones on both sides that ``check_guards`` reads."""
+    poisoned guard zones on both sides that ``check`` reads."""
 
     def __init__(self):
         super().__init__(device_id=0)
@@ -253,11 +253,20 @@ class HostWorkspace(_launch.Workspace):
         self._carve(HostArray(self.whole[SCRATCH_GUARD:SCRATCH_GUARD + n]), nb, nm)
         return self
 
-    def check_guards(self):
-        if self.whole is not None and not (
-                (self.whole[:SCRATCH_GUARD] == SCRATCH_POISON).all()
+    def check(self):
+        """The guard zones intact, and the scratch as the next call needs it: the counts and
+        the ticket back at zero (the cooperative kernel keeps its own count buffers and
+        control words, which it cleans up itself on its next call)."""
+        if self.whole is None:
+            return
+        if not ((self.whole[:SCRATCH_GUARD] == SCRATCH_POISON).all()
                 and (self.whole[-SCRATCH_GUARD:] == SCRATCH_POISON).all()):
             raise AssertionError("a kernel wrote outside its workspace")
+        for name in ("counts", "ticket"):
+            left = getattr(self, name).a
+            if left.any():
+                raise AssertionError(f"a kernel left {np.count_nonzero(left)} nonzero entries "
+                                     f"in the workspace's {name}")
 
 
 # An H200's shared memory and features on a few SMs: the cooperative grids stay small.
@@ -266,8 +275,12 @@ LIMITS = _dispatch.DeviceLimits(sm_count=4, smem_optin=232448, cooperative=True,
 
 
 @contextlib.contextmanager
-def emulated(emu: Emulator, limits=LIMITS, seed=0, preempt=0, skew=True):
-    """The package's launch path with the emulator in place of the driver."""
+def emulated(emu: Emulator, limits=LIMITS, seed=0, preempt=None, skew=True):
+    """The package's launch path with the emulator in place of the driver. ``preempt``: the
+    chance in 1000 of a switch at an atomic, a fence or an ``__ldcg`` (default: 250 for odd
+    seeds, none for even ones)."""
+    if preempt is None:
+        preempt = 250 if seed % 2 else 0
     names = {}
 
     def kernels_for(dtype, device_id, smem_optin):
@@ -314,7 +327,7 @@ def run(emu: Emulator, job: _launch.Job, *, variant=None, policy=_dispatch.DEFAU
     with emulated(emu, limits, seed):
         launch = _launch.plan_launch(job, 0, variant, policy)
         _launch.launch_one(job, launch, workspace, None, 0)
-    workspace.check_guards()
+    workspace.check()
     return launch
 
 
@@ -334,6 +347,6 @@ def run_pair(emu: Emulator, base: _launch.Job, lora: _launch.Job, *, streams=Non
             ll = _launch.plan_launch(lora, 0, variant, policy)
         _launch.issue_both("fused" if mode == "fused" else "one", pair, base, lb, ws_base,
                            lora, ll, ws_lora, None, 0)
-    ws_base.check_guards()
-    ws_lora.check_guards()
+    ws_base.check()
+    ws_lora.check()
     return mode, pair

@@ -13,17 +13,24 @@
 // random per seed, so orders that depend on atomics differ between runs, as on a GPU.
 #pragma once
 
+#include <sys/mman.h>
 #include <ucontext.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <memory>
+#include <mutex>
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #define __CUDA_ARCH__ 900
@@ -162,6 +169,7 @@ struct Warp {
 
 struct Block {
   unsigned index = 0;
+  bool nap = false;  // passed a barrier and drew a nap: the scheduler holds it back
   std::vector<unsigned char> arena;  // [STATIC_SMEM | dynamic shared memory]
   int live = 0, arrived = 0;
   long gen = 0;
@@ -177,6 +185,7 @@ struct Fiber {
   bool done = false;
   int yielded = 0;  // how its last yield came: RUN, POLL or BLOCKED
   long cluster_arrivals = 0;
+  bool cluster_pending = false;  // arrived at the cluster barrier, not yet waited
   // What a BLOCKED thread waits for, so the scheduler resumes it only once it can go on.
   enum { BARRIER, RESULT, ROUND, CLUSTER } waits = BARRIER;
   long wait_gen = 0;      // BARRIER: the block's barrier generation; RESULT: the collective's
@@ -197,6 +206,7 @@ struct Launch {
   Fiber* cur = nullptr;
   std::mt19937_64 rng;
   unsigned preempt_per_mille = 0;  // chance of a switch at an atomic, fence or acquire load
+  unsigned nap_per_mille = 0;      // chance of a block's nap after each of its barriers
   long events = 0;  // arrivals at barriers and collectives, atomics: what can unblock others
   long switches = 0, max_switches = 0;
   std::string error;
@@ -251,6 +261,11 @@ inline void syncthreads() {
     b.arrived = 0;
     ++b.gen;
     ++current()->events;
+    // Now and then the block naps right after a barrier, held back until the others can go
+    // no further: a block that others read from (a cluster's shared memory, a grid's
+    // counts) may then be the one that is late, or the one that has left.
+    Launch* l = current();
+    if (l->nap_per_mille && (l->rng() % 1000) < l->nap_per_mille) b.nap = true;
     yield(RUN);
     return;
   }
@@ -403,12 +418,25 @@ inline Cluster& my_cluster() {
 }
 
 inline void cluster_arrive() {
-  ++my_cluster().arrived;
+  if (me()->cluster_pending) fail("two cluster barrier arrivals without a wait between them");
+  me()->cluster_pending = true;
+  Launch* l = current();
+  Cluster& c = my_cluster();
   ++me()->cluster_arrivals;
-  ++current()->events;
+  ++l->events;
+  const long cluster_threads = (long)l->cluster_blocks * (long)l->block.x;
+  if (++c.arrived % cluster_threads == 0 && l->nap_per_mille &&
+      (l->rng() % 1000) < 4 * l->nap_per_mille) {
+    // The phase is complete and no thread has left its wait yet: one block of the cluster
+    // naps, so the others may run on (and leave) before it reads their shared memory.
+    const unsigned first = me()->block->index / l->cluster_blocks * l->cluster_blocks;
+    l->blocks[first + l->rng() % l->cluster_blocks].nap = true;
+  }
 }
 
 inline void cluster_wait() {
+  if (!me()->cluster_pending) fail("a cluster barrier wait without an arrival before it");
+  me()->cluster_pending = false;
   Launch* l = current();
   const long need = me()->cluster_arrivals * (long)l->cluster_blocks * (long)l->block.x;
   me()->waits = Fiber::CLUSTER;
@@ -444,6 +472,40 @@ inline bool ready(Launch& l, const Fiber& f) {
           return f.waits == Fiber::ROUND ? !c.done : (c.done && c.gen == f.wait_gen);
       return true;
   }
+}
+
+// A thread that never reaches a switch point (a spin on a plain volatile load, say) cannot be
+// taken off the CPU: a watchdog ends the process after WATCHDOG_S seconds without a switch,
+// with a message, rather than leave a test run hanging.
+constexpr int WATCHDOG_S = 120;
+inline std::atomic<long>& switch_clock() {
+  static std::atomic<long> n{0};
+  return n;
+}
+inline std::atomic<bool>& in_launch() {
+  static std::atomic<bool> on{false};
+  return on;
+}
+inline void start_watchdog() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    std::thread([] {
+      long seen = -1;
+      int still = 0;
+      for (;;) {
+        std::this_thread::sleep_for(std::chrono::seconds(1));
+        const long now = switch_clock().load();
+        still = (in_launch().load() && now == seen) ? still + 1 : 0;
+        seen = now;
+        if (still >= WATCHDOG_S) {
+          std::fprintf(stderr, "emulator: a thread ran %d s without reaching a switch point "
+                       "(a spin loop on a plain load?); ending the process\n", WATCHDOG_S);
+          std::fflush(stderr);
+          _exit(3);
+        }
+      }
+    }).detach();
+  });
 }
 
 // ---- the launch ------------------------------------------------------------------------------
@@ -483,12 +545,17 @@ inline std::string run(void (*body)(const void* const*), const void* const* args
   l.cluster_blocks = cluster_blocks < 1 ? 1 : cluster_blocks;
   l.rng.seed(seed);
   l.preempt_per_mille = preempt_per_mille;
+  l.nap_per_mille = skew ? 100 : 0;
   l.body = body;
   l.args = args;
   if (grid == 0 || block == 0) return "";
   if (grid % l.cluster_blocks) return "grid is not a whole number of clusters";
+  // A launch that is not cooperative promises no residency: half the schedules run its
+  // blocks one at a time, so a block that waits for another one deadlocks, as it may on a GPU.
   const unsigned slots =
-      all_resident ? grid : std::max(1u, std::min(grid, RESIDENT_THREADS / std::max(block, 1u)));
+      all_resident                 ? grid
+      : (skew && (l.rng() & 1))    ? 1u
+                                   : std::max(1u, std::min(grid, RESIDENT_THREADS / block));
   const size_t warps_per_block = (block + 31) / 32, nwarps = (size_t)slots * warps_per_block;
   l.blocks.resize(grid);
   l.clusters.resize(grid / l.cluster_blocks);
@@ -496,7 +563,13 @@ inline std::string run(void (*body)(const void* const*), const void* const* args
   // A loop that never ends but passes barriers (no deadlock to see): stopped here. Legit
   // kernels stay far below (the ordered prefix over 2211 buckets in one block: 3000 a thread).
   l.max_switches = 50000L * (long)grid * (long)block + 10000000L;
-  std::unique_ptr<char[]> stacks(new char[(size_t)slots * block * STACK_BYTES]);  // lazily touched
+  // Stacks: reserved, not committed (a page is backed once a fiber touches it).
+  const size_t stack_bytes = (size_t)slots * block * STACK_BYTES;
+  void* stack_map = mmap(nullptr, stack_bytes, PROT_READ | PROT_WRITE,
+                         MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (stack_map == MAP_FAILED) return "emulator: no memory for the threads' stacks";
+  std::unique_ptr<void, std::function<void(void*)>> stacks(
+      stack_map, [stack_bytes](void* m) { munmap(m, stack_bytes); });
   // Skew: every warp gets a speed (its block's x its own, at least 1/16), the chance that it
   // runs in a pass, and each lane skips a pass now and then, so warps and blocks drift apart
   // as far as their barriers let them and a missing barrier shows as a read before the write
@@ -525,7 +598,7 @@ inline std::string run(void (*body)(const void* const*), const void* const* args
       f = Fiber();
       f.block = &b;
       f.tid = t;
-      f.stack = stacks.get() + ((size_t)s * block + t) * STACK_BYTES;
+      f.stack = static_cast<char*>(stack_map) + ((size_t)s * block + t) * STACK_BYTES;
       make_context(f.ctx, f.stack, STACK_BYTES, fiber_main);
     }
     if (skew) {
@@ -537,6 +610,8 @@ inline std::string run(void (*body)(const void* const*), const void* const* args
     }
   };
   current() = &l;
+  start_watchdog();
+  in_launch() = true;
   for (unsigned s = 0; s < slots; ++s) start_block(s);
   std::vector<size_t> order(nwarps);
   for (size_t w = 0; w < nwarps; ++w) order[w] = w;
@@ -549,7 +624,13 @@ inline std::string run(void (*body)(const void* const*), const void* const* args
     bool moved = false;
     for (size_t w : order) {
       const size_t s = w / warps_per_block;
-      if (slot_block[s] < 0 || held[s]) continue;
+      if (slot_block[s] < 0) continue;
+      Block& napper = l.blocks[slot_block[s]];
+      if (napper.nap) {  // held until an idle pass starts it again
+        napper.nap = false;
+        if (!held[s]) held[s] = 1, ++holding;
+      }
+      if (held[s]) continue;
       if (!everyone && coin(l.rng) >= speed[w]) continue;
       const size_t first = s * block + (w % warps_per_block) * 32;
       const size_t lanes = std::min<size_t>(32, (s + 1) * block - first);
@@ -559,13 +640,14 @@ inline std::string run(void (*body)(const void* const*), const void* const* args
         if (f.done || !ready(l, f) || (!everyone && (l.rng() & 3) == 0)) continue;
         l.cur = &f;
         ++l.switches;
+        switch_clock().fetch_add(1, std::memory_order_relaxed);
         switch_context(l.main, f.ctx);
         if (f.done) --left, moved = true;
         else if (f.yielded == RUN) moved = true;
       }
       if (!l.error.empty()) break;
       Block& b = l.blocks[slot_block[s]];
-      if (b.live == 0) {  // the slot's block is done: free its shared memory, take the next
+      if (b.live == 0) {  // the slot's block is done: its shared memory goes, the next starts
         for (size_t k = b.arena.size() - SMEM_GUARD; k < b.arena.size(); ++k)
           if (b.arena[k] != SMEM_POISON && l.error.empty()) {
             char what[96];
@@ -573,7 +655,10 @@ inline std::string run(void (*body)(const void* const*), const void* const* args
                           "shared memory", b.index, dynamic_smem_bytes);
             l.error = what;
           }
-        std::vector<unsigned char>().swap(b.arena);
+        // In a cluster another block may still read it (mapa): poisoned, not freed, so such
+        // a read (a block that left before the others were done with it) gives garbage.
+        if (all_resident) std::fill(b.arena.begin(), b.arena.end(), SMEM_POISON);
+        else std::vector<unsigned char>().swap(b.arena);
         slot_block[s] = -1;
         if (next_block < grid) start_block((unsigned)s);
         moved = true;
@@ -603,6 +688,7 @@ inline std::string run(void (*body)(const void* const*), const void* const* args
   }
   if (std::getenv("MLA_EMU_STATS"))
     std::fprintf(stderr, "switches %ld grid %u block %u\n", l.switches, grid, block);
+  in_launch() = false;
   current() = nullptr;
   return l.error;
 }
