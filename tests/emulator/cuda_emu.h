@@ -2,15 +2,17 @@
 // thread switches between them at the points where CUDA threads meet or poll:
 // __syncthreads, warp collectives, the cluster barrier, atomics, fences and acquire loads.
 // The blocks of a cooperative or cluster launch are all resident at once, so the kernels'
-// grid barriers and tickets work as on the GPU; other launches run in slots of 16K threads.
-// Shared memory is a per-block arena poisoned at launch; `__shared__` variables are placed in it by the build step (tests/emulator/__init__.py),
+// grid barriers and tickets work as on the GPU; other launches run in slots of 16K threads
+// (or one block at a time). Shared memory is a per-block arena poisoned at launch;
+// `__shared__` variables are placed in it by the build step (tests/emulator/__init__.py),
 // which also turns the kernels' few inline-PTX statements into the calls below.
 //
 // What it checks: the kernels' index arithmetic, their barriers and collectives (a barrier
 // or collective that can never complete is reported as a deadlock, a collective whose lanes
 // disagree on its mask or kind as an error), and their results against the NumPy backend.
-// What it does not: the GPU's weak memory model, timing, or bank conflicts. The schedule is
-// random per seed, so orders that depend on atomics differ between runs, as on a GPU.
+// What it does not: the GPU's weak memory model, timing, or bank conflicts. Each seed draws
+// a schedule (warp speeds, held blocks, naps after barriers), so orders that depend on
+// atomics differ between runs, as on a GPU.
 #pragma once
 
 #include <sys/mman.h>
