@@ -158,10 +158,28 @@ def test_base_expert_map_and_scatter(emu, T, E, variant, map_mode):
                  variant, seeds=(3,))
 
 
-def test_base_int64_ids(emu):
-    for T in (3, 200, 2048):
-        _run(emu, Case(T, 8, 256, 64, dtype=np.int64, kind="invalid", seed=T), False,
-             seeds=(5,))
+ALL_DTYPES = (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
+              np.uint64)
+
+
+@pytest.fixture(scope="module")
+def emu_all_dtypes():
+    return emulator.Emulator(emulator.build(dtypes=tuple(np.dtype(d) for d in ALL_DTYPES)))
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=lambda d: np.dtype(d).name)
+def test_every_id_dtype_through_every_launch_shape(emu_all_dtypes, dtype):
+    """Route ids of each dtype the API accepts (invalid ones included: negative ids of a
+    signed dtype, values past E of an unsigned one), through one warp, align_tiny, the
+    cluster, the cooperative launch and count + place, base and LoRA, free and ordered."""
+    E = 100 if np.dtype(dtype).itemsize == 1 else 256
+    for T, rows, variant in [(3, None, None), (40, None, None), (256, None, "cluster"),
+                             (1024, None, "cooperative"), (512, None, "global"),
+                             (16, 4, None), (256, 4, "cooperative")]:
+        for det in (False, True):
+            if not _refused(variant, det, T * 8, (rows or 1) * E, rows or 1, _POL):
+                _run(emu_all_dtypes, Case(T, 8, E, 16, rows=rows, dtype=dtype, kind="invalid",
+                                          seed=T), det, variant, seeds=(1,))
 
 
 # ---- LoRA ---------------------------------------------------------------------------------
