@@ -32,9 +32,14 @@ pytestmark = [pytest.mark.emulator,
 SEEDS = (0, 1, 2)
 
 
+# MLA_EMU_RACECHECK=1: every emulated test with each shared-memory access checked (slower).
+RACECHECK_ALL = os.environ.get("MLA_EMU_RACECHECK") == "1"
+
+
 @pytest.fixture(scope="module")
 def emu():
-    return emulator.Emulator(emulator.build(dtypes=(np.int32, np.int64)))
+    return emulator.Emulator(emulator.build(dtypes=(np.int32, np.int64),
+                                            racecheck=RACECHECK_ALL))
 
 
 def _refused(variant, det, numel, buckets, rows, policy):
@@ -333,14 +338,14 @@ def test_shared_declarations_become_arena_references():
     assert "auto& b = mla_emu::shared_var<int>(1);" in out
 
 
-def _mutant(tmp_path, name, old, new):
+def _mutant(tmp_path, name, old, new, racecheck=False):
     """The emulator built from the kernels with ``old`` (once in ``name``) made ``new``."""
     shutil.copytree(Path(emulator._kernels.kernel_dir()), tmp_path / "kernels")
     path = tmp_path / "kernels" / name
     text = path.read_text()
     assert text.count(old) == 1
     path.write_text(text.replace(old, new))
-    return emulator.Emulator(emulator.build(tmp_path / "kernels"))
+    return emulator.Emulator(emulator.build(tmp_path / "kernels", racecheck=racecheck))
 
 
 def _wrong_answers(broken, T, E, B, det, variant, seeds):
@@ -423,6 +428,32 @@ def test_a_barrier_that_cannot_complete_is_reported(emu, tmp_path):
 def test_every_kernel_runs_on_the_emulator(emu):
     """One call of each launch shape and mode, both alone and fused, between them launch
     every kernel instance of the dtype: none is left to the GPU alone."""
+    _every_kernel(emu)
+
+
+@pytest.fixture(scope="module")
+def emu_racecheck():
+    return emulator.Emulator(emulator.build(racecheck=True))
+
+
+def test_racecheck_finds_no_hazard_in_any_kernel(emu_racecheck):
+    """Every kernel instance with each shared-memory access checked: no two threads touch a
+    byte in one barrier interval, one of them writing, without a barrier (or, lanes of one
+    warp, a full-warp collective) between them."""
+    _every_kernel(emu_racecheck)
+
+
+def test_racecheck_names_a_missing_barrier(tmp_path):
+    """The barrier between align_tiny's claims and its scan removed: a hazard, named, in the
+    first schedule (where the schedules alone catch it only in some)."""
+    claims = "bucket_bits(nb));\n  }\n  __syncthreads();"
+    broken = _mutant(tmp_path, "one_block.cuh", claims, "bucket_bits(nb));\n  }",
+                     racecheck=True)
+    with pytest.raises(RuntimeError, match="racecheck: .* hazard"):
+        emulator.run(broken, Case(16, 8, 256, 16).job(True), seed=0)
+
+
+def _every_kernel(emu):
     start = len(emu.launched)
     for T, E, rows, variant, policy in [(40, 64, None, None, WITHOUT_TINY),
                                         (40, 64, None, None, _dispatch.DEFAULT_POLICY),

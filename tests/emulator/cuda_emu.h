@@ -159,6 +159,7 @@ struct Collective {
 };
 
 struct Warp {
+  long syncs = 0;                   // full-warp collectives completed (racecheck)
   std::vector<Collective> by_mask;  // one in flight per mask
   Collective& get(unsigned mask) {
     for (auto& c : by_mask)
@@ -177,6 +178,19 @@ struct Block {
   long gen = 0;
   std::vector<Warp> warps;
   unsigned exited_lanes[32] = {};  // per warp
+#ifdef MLA_EMU_RACECHECK
+  struct Word {  // the last write and reads of one byte of the arena
+    // reader: the latest reading thread; others: the ones before it in the interval, as
+    // -(3 + warp) when all were lanes of one warp, -2 when of two or more warps (-1: none).
+    // *_syncs: the reading warp's full-warp collectives at the time of the read.
+    int writer = -1, reader = -1, others = -1;
+    long write_epoch = -1, read_epoch = -1, writer_syncs = 0, reader_syncs = 0,
+         others_syncs = 0;
+    bool atomic = false;
+  };
+  std::vector<Word> shadow;
+#endif
+  long cluster_phases = 0;  // cluster barriers completed (racecheck: they order like barriers)
 };
 
 struct Fiber {
@@ -188,6 +202,7 @@ struct Fiber {
   int yielded = 0;  // how its last yield came: RUN, POLL or BLOCKED
   long cluster_arrivals = 0;
   bool cluster_pending = false;  // arrived at the cluster barrier, not yet waited
+  bool in_atomic = false;        // racecheck: its accesses now are an atomic's
   // What a BLOCKED thread waits for, so the scheduler resumes it only once it can go on.
   enum { BARRIER, RESULT, ROUND, CLUSTER } waits = BARRIER;
   long wait_gen = 0;      // BARRIER: the block's barrier generation; RESULT: the collective's
@@ -221,6 +236,10 @@ inline Launch*& current() {
   return l;
 }
 inline Fiber* me() { return current()->cur; }
+inline bool& in_fiber() {  // a thread of the launch runs (not the scheduler)
+  static bool on = false;
+  return on;
+}
 
 enum { RUN, POLL, BLOCKED };  // why a thread yields: it may move on, polls, or waits
 
@@ -349,6 +368,7 @@ inline unsigned long long collective(Op op, unsigned mask, unsigned long long va
     c->done = true;
     c->readers = __builtin_popcount(mask);
     ++current()->events;
+    if (mask == 0xffffffffu) ++b.warps[w].syncs;
   } else {
     while (!(c->done && c->gen == gen)) {
       f->waits = Fiber::RESULT;
@@ -427,6 +447,10 @@ inline void cluster_arrive() {
   ++me()->cluster_arrivals;
   ++l->events;
   const long cluster_threads = (long)l->cluster_blocks * (long)l->block.x;
+  if (c.arrived + 1 == me()->cluster_arrivals * cluster_threads) {  // the phase completes
+    const unsigned first = me()->block->index / l->cluster_blocks * l->cluster_blocks;
+    for (int k = 0; k < l->cluster_blocks; ++k) ++l->blocks[first + k].cluster_phases;
+  }
   if (++c.arrived % cluster_threads == 0 && l->nap_per_mille &&
       (l->rng() % 1000) < 4 * l->nap_per_mille) {
     // The phase is complete and no thread has left its wait yet: one block of the cluster
@@ -594,6 +618,9 @@ inline std::string run(void (*body)(const void* const*), const void* const* args
     b.arrived = 0;
     b.gen = 0;
     b.warps.assign(warps_per_block, Warp());
+#ifdef MLA_EMU_RACECHECK
+    b.shadow.assign(b.arena.size(), Block::Word());
+#endif
     std::fill(std::begin(b.exited_lanes), std::end(b.exited_lanes), 0u);
     for (unsigned t = 0; t < block; ++t) {
       Fiber& f = l.fibers[(size_t)s * block + t];
@@ -643,7 +670,9 @@ inline std::string run(void (*body)(const void* const*), const void* const* args
         l.cur = &f;
         ++l.switches;
         switch_clock().fetch_add(1, std::memory_order_relaxed);
+        in_fiber() = true;
         switch_context(l.main, f.ctx);
+        in_fiber() = false;
         if (f.done) --left, moved = true;
         else if (f.yielded == RUN) moved = true;
       }
@@ -754,8 +783,10 @@ namespace mla_emu {
 template <typename T, typename Update>
 inline T atomic_update(T* p, Update update) {
   maybe_preempt();
+  me()->in_atomic = true;
   const T old = *p;
   *p = update(old);
+  me()->in_atomic = false;
   ++current()->events;
   return old;
 }
@@ -777,3 +808,119 @@ template <typename T>
 inline T atomicExch(T* p, T v) {
   return mla_emu::atomic_update(p, [v](T) { return v; });
 }
+
+#ifdef MLA_EMU_RACECHECK
+// Racecheck: built with -fsanitize=thread, the compiler calls these hooks before every load
+// and store; no sanitizer runtime is linked. Accesses to the running thread's own block's
+// shared memory are checked against the word's last write and reads: two threads touching
+// a word in one barrier interval, one of them writing (not both atomically), is a hazard
+// unless both are lanes of one warp with a full-warp collective between them.
+namespace mla_emu {
+__attribute__((no_sanitize_thread)) inline void shared_access(const void* addr, size_t size,
+                                                              bool write) {
+  static bool busy = false;  // the checks' own loads and stores are instrumented too
+  if (busy || !in_fiber()) return;
+  busy = true;
+  Launch* l = current();
+  Fiber* f = l->cur;
+  Block& b = *f->block;
+  const unsigned char* base = b.arena.data();
+  const unsigned char* p = static_cast<const unsigned char*>(addr);
+  if (p >= base && p < base + b.arena.size() && !b.shadow.empty()) {
+    const int me_tid = (int)f->tid;
+    const long epoch = b.gen + (b.cluster_phases << 32), syncs = b.warps[f->tid >> 5].syncs;
+    const int my_warp = me_tid >> 5;
+    const auto warp_of = [](int who) { return who >= 0 ? who >> 5 : who <= -3 ? -3 - who : -1; };
+    const auto synced = [&](int other, long other_syncs) {
+      return warp_of(other) == my_warp && syncs > other_syncs;
+    };
+    const char* hazard = nullptr;
+    int other = -1;
+    for (size_t k = (size_t)(p - base); k < (size_t)(p - base) + size && k < b.shadow.size(); ++k) {
+      Block::Word& w = b.shadow[k];
+      if (w.writer >= 0 && w.writer != me_tid && w.write_epoch == epoch &&
+          !(f->in_atomic && w.atomic) && !synced(w.writer, w.writer_syncs)) {
+        hazard = write ? "write after write" : "read after write";
+        other = w.writer;
+      } else if (write && w.read_epoch == epoch && !f->in_atomic &&
+                 ((w.reader >= 0 && w.reader != me_tid && !synced(w.reader, w.reader_syncs)) ||
+                  (w.others != -1 && !synced(w.others, w.others_syncs)))) {
+        hazard = "write after read";
+        other = w.reader != me_tid ? w.reader : w.others;
+      }
+      if (hazard) {
+        char what[200];
+        std::snprintf(what, sizeof what,
+                      "racecheck: %s hazard on shared byte %zu of block %u: thread %u after "
+                      "thread %d, no barrier between", hazard, k,
+                      b.index, f->tid, other);
+        // Recorded, not thrown: a hook's call site has no unwind information. The thread's
+        // next switch point ends the launch with it.
+        if (l->error.empty()) l->error = what;
+        busy = false;
+        return;
+      }
+      if (write) {
+        w.writer = me_tid, w.write_epoch = epoch, w.writer_syncs = syncs;
+        w.atomic = f->in_atomic;
+      } else if (w.read_epoch != epoch || w.reader == -1) {
+        w.reader = me_tid, w.read_epoch = epoch, w.reader_syncs = syncs, w.others = -1;
+      } else {
+        if (w.reader != me_tid) {  // the previous reader joins the others
+          const int rw = warp_of(w.reader);
+          w.others = (w.others == -1 || warp_of(w.others) == rw) ? -3 - rw : -2;
+          w.others_syncs = w.reader_syncs;
+          w.reader = me_tid;
+        }
+        w.reader_syncs = syncs;
+      }
+    }
+  }
+  busy = false;
+}
+}  // namespace mla_emu
+
+#define MLA_HOOK_READ(n)                                                                  \
+  extern "C" __attribute__((no_sanitize_thread)) void __tsan_read##n(void* p) {           \
+    mla_emu::shared_access(p, n, false);                                                  \
+  }                                                                                       \
+  extern "C" __attribute__((no_sanitize_thread)) void __tsan_unaligned_read##n(void* p) { \
+    mla_emu::shared_access(p, n, false);                                                  \
+  }
+#define MLA_HOOK_WRITE(n)                                                                  \
+  extern "C" __attribute__((no_sanitize_thread)) void __tsan_write##n(void* p) {           \
+    mla_emu::shared_access(p, n, true);                                                    \
+  }                                                                                        \
+  extern "C" __attribute__((no_sanitize_thread)) void __tsan_unaligned_write##n(void* p) { \
+    mla_emu::shared_access(p, n, true);                                                    \
+  }
+MLA_HOOK_READ(1) MLA_HOOK_READ(2) MLA_HOOK_READ(4) MLA_HOOK_READ(8) MLA_HOOK_READ(16)
+MLA_HOOK_WRITE(1) MLA_HOOK_WRITE(2) MLA_HOOK_WRITE(4) MLA_HOOK_WRITE(8) MLA_HOOK_WRITE(16)
+extern "C" __attribute__((no_sanitize_thread)) void __tsan_read_range(void* p, unsigned long n) {
+  if (n) mla_emu::shared_access(p, n, false);
+}
+extern "C" __attribute__((no_sanitize_thread)) void __tsan_write_range(void* p, unsigned long n) {
+  if (n) mla_emu::shared_access(p, n, true);
+}
+extern "C" __attribute__((no_sanitize_thread)) void __tsan_func_entry(void*) {}
+extern "C" __attribute__((no_sanitize_thread)) void __tsan_func_exit() {}
+extern "C" __attribute__((no_sanitize_thread)) void __tsan_init() {}
+extern "C" __attribute__((no_sanitize_thread)) void __tsan_vptr_update(void**, void*) {}
+// The watchdog's atomics (memory orders passed as ints, as the sanitizer's ABI has them).
+extern "C" __attribute__((no_sanitize_thread)) long __tsan_atomic64_fetch_add(volatile long* a,
+                                                                             long v, int) {
+  return __atomic_fetch_add(a, v, __ATOMIC_SEQ_CST);
+}
+extern "C" __attribute__((no_sanitize_thread)) long __tsan_atomic64_load(const volatile long* a,
+                                                                        int) {
+  return __atomic_load_n(a, __ATOMIC_SEQ_CST);
+}
+extern "C" __attribute__((no_sanitize_thread)) char __tsan_atomic8_load(const volatile char* a,
+                                                                       int) {
+  return __atomic_load_n(a, __ATOMIC_SEQ_CST);
+}
+extern "C" __attribute__((no_sanitize_thread)) void __tsan_atomic8_store(volatile char* a,
+                                                                        char v, int) {
+  __atomic_store_n(a, v, __ATOMIC_SEQ_CST);
+}
+#endif
