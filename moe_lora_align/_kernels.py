@@ -84,8 +84,13 @@ def loaded_sets():
 
 @functools.lru_cache(maxsize=None)
 def source() -> str:
-    """The kernels' source with local ``#include "..."`` lines inlined (once each)."""
-    root = _build.source_dir or kernel_dir()
+    """The kernels' source (the current build's) with local ``#include "..."`` lines
+    inlined (once each)."""
+    return inline_source(_build.source_dir or kernel_dir())
+
+
+def inline_source(root: Path) -> str:
+    """The source in ``root`` with local ``#include "..."`` lines inlined (once each)."""
     seen = set()
 
     def expand(name: str) -> str:

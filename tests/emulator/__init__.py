@@ -178,12 +178,8 @@ def build(source_dir=None, dtypes=(np.int32,), racecheck=False) -> Path:
     load and store goes through a check for shared-memory hazards (cuda_emu.h), about 3 x
     slower."""
     flags = FLAGS + (RACECHECK_FLAGS if racecheck else ())
-    previous = _kernels.current_build()
-    _kernels.use_build(_kernels.KernelBuild(Path(source_dir) if source_dir else None))
-    try:
-        text = unit(_kernels.source(), dtypes)
-    finally:
-        _kernels.use_build(previous)
+    root = Path(source_dir) if source_dir else _kernels.kernel_dir()
+    text = unit(_kernels.inline_source(root), dtypes)
     digest = hashlib.sha256((text + PRELUDE.read_text() + " ".join(flags)).encode())
     lib = CACHE / f"kernels_{digest.hexdigest()[:16]}.so"
     if not lib.exists():

@@ -443,21 +443,16 @@ inline void cluster_arrive() {
   if (me()->cluster_pending) fail("two cluster barrier arrivals without a wait between them");
   me()->cluster_pending = true;
   Launch* l = current();
-  Cluster& c = my_cluster();
   ++me()->cluster_arrivals;
   ++l->events;
-  const long cluster_threads = (long)l->cluster_blocks * (long)l->block.x;
-  if (c.arrived + 1 == me()->cluster_arrivals * cluster_threads) {  // the phase completes
-    const unsigned first = me()->block->index / l->cluster_blocks * l->cluster_blocks;
-    for (int k = 0; k < l->cluster_blocks; ++k) ++l->blocks[first + k].cluster_phases;
-  }
-  if (++c.arrived % cluster_threads == 0 && l->nap_per_mille &&
-      (l->rng() % 1000) < 4 * l->nap_per_mille) {
-    // The phase is complete and no thread has left its wait yet: one block of the cluster
-    // naps, so the others may run on (and leave) before it reads their shared memory.
-    const unsigned first = me()->block->index / l->cluster_blocks * l->cluster_blocks;
-    l->blocks[first + l->rng() % l->cluster_blocks].nap = true;
-  }
+  if (++my_cluster().arrived % ((long)l->cluster_blocks * (long)l->block.x) != 0) return;
+  // The phase is complete and no thread has left its wait yet. It orders the cluster's
+  // shared-memory accesses as a barrier does (racecheck), and now and then one block of the
+  // cluster naps, so the others may run on (and leave) before it reads their shared memory.
+  Block* first = &l->blocks[me()->block->index / l->cluster_blocks * l->cluster_blocks];
+  for (int k = 0; k < l->cluster_blocks; ++k) ++first[k].cluster_phases;
+  if (l->nap_per_mille && (l->rng() % 1000) < 4 * l->nap_per_mille)
+    first[l->rng() % l->cluster_blocks].nap = true;
 }
 
 inline void cluster_wait() {
@@ -880,22 +875,14 @@ __attribute__((no_sanitize_thread)) inline void shared_access(const void* addr, 
 }
 }  // namespace mla_emu
 
-#define MLA_HOOK_READ(n)                                                                  \
-  extern "C" __attribute__((no_sanitize_thread)) void __tsan_read##n(void* p) {           \
-    mla_emu::shared_access(p, n, false);                                                  \
-  }                                                                                       \
-  extern "C" __attribute__((no_sanitize_thread)) void __tsan_unaligned_read##n(void* p) { \
-    mla_emu::shared_access(p, n, false);                                                  \
+#define MLA_HOOK(name, n, write)                                                  \
+  extern "C" __attribute__((no_sanitize_thread)) void name(void* p) {             \
+    mla_emu::shared_access(p, n, write);                                          \
   }
-#define MLA_HOOK_WRITE(n)                                                                  \
-  extern "C" __attribute__((no_sanitize_thread)) void __tsan_write##n(void* p) {           \
-    mla_emu::shared_access(p, n, true);                                                    \
-  }                                                                                        \
-  extern "C" __attribute__((no_sanitize_thread)) void __tsan_unaligned_write##n(void* p) { \
-    mla_emu::shared_access(p, n, true);                                                    \
-  }
-MLA_HOOK_READ(1) MLA_HOOK_READ(2) MLA_HOOK_READ(4) MLA_HOOK_READ(8) MLA_HOOK_READ(16)
-MLA_HOOK_WRITE(1) MLA_HOOK_WRITE(2) MLA_HOOK_WRITE(4) MLA_HOOK_WRITE(8) MLA_HOOK_WRITE(16)
+#define MLA_HOOKS(n)                                                              \
+  MLA_HOOK(__tsan_read##n, n, false) MLA_HOOK(__tsan_unaligned_read##n, n, false) \
+  MLA_HOOK(__tsan_write##n, n, true) MLA_HOOK(__tsan_unaligned_write##n, n, true)
+MLA_HOOKS(1) MLA_HOOKS(2) MLA_HOOKS(4) MLA_HOOKS(8) MLA_HOOKS(16)
 extern "C" __attribute__((no_sanitize_thread)) void __tsan_read_range(void* p, unsigned long n) {
   if (n) mla_emu::shared_access(p, n, false);
 }
