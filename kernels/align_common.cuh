@@ -54,7 +54,7 @@ struct Problem {
   int tiles_shift;
   int count_stride;             // cooperative kernel: entries between its two count buffers
   int coop_blocks;              // cooperative kernels: blocks aligning this problem
-  int reserved_;                // keeps the size a multiple of 8 bytes
+  int fill_blocks;              // align_cooperative: its last blocks that only fill
 };
 
 // Stage timestamps for scripts/stage_probe.py, compiled in only with -DMLA_PROBE: thread 0 of

@@ -5,7 +5,8 @@
 // ---------------------------------------------------------------------------------------------
 // Multi-block in one launch (cooperative launch: every block is resident at once). Each block
 // counts its chunk, reserves its range in every bucket it touches, stages its routes in output
-// order, and writes its share of the sentinel fill; then one barrier over the problem's blocks;
+// order, and writes its share of the sentinel fill (or fill blocks write it: fill_and_arrive,
+// align_kernels.cu); then one barrier over the problem's blocks;
 // then every block scans all the counts itself (no second launch, no re-read of the routes) and
 // stores its staged routes, its share of the tile ids, and block 0 the totals.
 //
@@ -21,12 +22,6 @@
 #define COOP_FREE 0
 #define COOP_ORDERED 1
 #define COOP_SORTED 2
-
-__device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
-  unsigned v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
 
 // Every one of `blocks` blocks waits here for all the others. The fence publishes the
 // block's writes (its fill, its count atomics) before its arrival is counted.
@@ -46,9 +41,11 @@ __device__ __forceinline__ void blocks_barrier(unsigned* arrivals, unsigned bloc
 // DET == COOP_ORDERED: warp w of a block owns a contiguous run of the block's chunk; per-warp
 //   counters rank its routes in order (as in the single block), and the block's place among
 //   blocks comes from a prefix over blocks of every bucket's per-block counts (p.chunk_hist
-//   [nb, blocks]: a bucket's column contiguous, so a warp reads it in a few coalesced loads),
-//   computed between two barriers, instead of from the order in which the reservation
-//   atomics land. Adds after the staging: warp_counts[32 * stride] ushort,
+//   [blocks, nb]: a block writes its row, and reads it back, in a few coalesced accesses; the
+//   prefix's warps read a bucket's column a lane a block), computed between two barriers,
+//   instead of from the order in which the reservation atomics land. The same prefix gives
+//   each bucket's total, so this path has no count atomics (the fence of the first barrier
+//   would wait for them to drain). Adds after the staging: warp_counts[32 * stride] ushort,
 //   stride = nb rounded up to even.
 // DET == COOP_SORTED: the free-order kernel, then a second barrier, then the blocks sort every
 //   bucket's segment in place (order_segments, order.cuh), the segment starts already in each
@@ -95,53 +92,58 @@ __device__ __forceinline__ void align_cooperatively(const Problem& p, int block,
     ctrl[5 - parity] = 0u;  // the previous call's barrier
   }
   // Routes overwrite the fill after the barrier, which orders every fill store before them.
-  fill_rows(p, processed, p.sorted_ids, p.sorted_pitch, p.padded_len, p.numel, tid, nthreads);
+  // With fill blocks (p.fill_blocks > 0) those write it, beside this chain.
+  if (p.fill_blocks == 0)
+    fill_rows(p, processed, p.sorted_ids, p.sorted_pitch, p.padded_len, p.numel, tid, nthreads);
   MLA_STAMP(3, 1);
 
   int bucket[COOP_ITEMS], rank[COOP_ITEMS];
-  int reserved[COOP_RESERVE];
+  // Free order: twice COOP_RESERVE, so that blocks of 512 threads (with fill blocks) keep
+  // 4096 buckets' reservations in flight too (the sorted instance spills with it, and never
+  // runs in blocks of 512).
+  constexpr int RESERVE = DET == COOP_FREE ? 2 * COOP_RESERVE : COOP_RESERVE;
+  int reserved[RESERVE];
   unsigned short* mine = warp_counts + warp * stride;
   // COOP_ORDERED: the rank among the warp's routes of the bucket, in flat order.
   bucket_and_rank(p, route, first, step, end, processed, runs, nb, hist, mine, bucket, rank);
   if (DET != COOP_ORDERED) {
     __syncthreads();
     MLA_STAMP(3, 2);
-    // Reserve the block's range in each of its buckets. The first COOP_RESERVE buckets of
+    // Reserve the block's range in each of its buckets. The first RESERVE buckets of
     // each thread go out together and come back while the block scans and stages (their
-    // offsets are needed only after the barrier); further ones (more than COOP_RESERVE *
-    // blockDim buckets) wait here, COOP_RESERVE at a time.
+    // offsets are needed only after the barrier); further ones (more than RESERVE *
+    // blockDim buckets) wait here, RESERVE at a time.
 #pragma unroll
-    for (int u = 0; u < COOP_RESERVE; ++u) {
+    for (int u = 0; u < RESERVE; ++u) {
       const int b = threadIdx.x + u * blockDim.x;
       const int c = b < nb ? hist[b] : 0;
       reserved[u] = c != 0 ? atomicAdd(counts + b, c) : 0;
     }
-    for (int b0 = threadIdx.x + COOP_RESERVE * blockDim.x; b0 < nb;
-         b0 += COOP_RESERVE * blockDim.x) {
-      int more[COOP_RESERVE];
+    for (int b0 = threadIdx.x + RESERVE * blockDim.x; b0 < nb;
+         b0 += RESERVE * blockDim.x) {
+      int more[RESERVE];
 #pragma unroll
-      for (int u = 0; u < COOP_RESERVE; ++u) {
+      for (int u = 0; u < RESERVE; ++u) {
         const int b = b0 + u * blockDim.x;
         const int c = b < nb ? hist[b] : 0;
         more[u] = c != 0 ? atomicAdd(counts + b, c) : 0;
       }
 #pragma unroll
-      for (int u = 0; u < COOP_RESERVE; ++u)
+      for (int u = 0; u < RESERVE; ++u)
         if (b0 + u * blockDim.x < nb) adj[b0 + u * blockDim.x] = more[u];
     }
   } else {
     __syncthreads();
     MLA_STAMP(3, 2);
     // Per bucket: each warp's counter := routes of the warps before it; hist := block total,
-    // published for the prefix over blocks, and added to the bucket's total.
+    // published for the prefix over blocks.
     for (int k = threadIdx.x; 2 * k < nb; k += blockDim.x) {
       const unsigned both = prefix_over_warps_x2(reinterpret_cast<unsigned*>(warp_counts) + k,
                                                  stride / 2, nwarps);
       for (int b = 2 * k; b < min(nb, 2 * k + 2); ++b) {
         const int run = (int)((both >> (16 * (b & 1))) & 0xffffu);
         hist[b] = run;
-        p.chunk_hist[(long long)b * blocks + block] = run;
-        if (run != 0) atomicAdd(counts + b, run);
+        p.chunk_hist[(long long)block * nb + b] = run;
       }
     }
     __syncthreads();
@@ -159,43 +161,48 @@ __device__ __forceinline__ void align_cooperatively(const Problem& p, int block,
   }
   if (DET != COOP_ORDERED) {
 #pragma unroll
-    for (int u = 0; u < COOP_RESERVE; ++u)
+    for (int u = 0; u < RESERVE; ++u)
       if (threadIdx.x + u * blockDim.x < nb) adj[threadIdx.x + u * blockDim.x] = reserved[u];
   }
   MLA_STAMP(3, 3);
-  blocks_barrier(ctrl + 4 + parity, (unsigned)blocks);
+  // Every block arrives once at the first barrier, fill blocks included; only the counting
+  // blocks arrive at a second one.
+  const unsigned arrivals = (unsigned)(blocks + p.fill_blocks);
+  blocks_barrier(ctrl + 4 + parity, arrivals);
   if (DET == COOP_ORDERED) {
     MLA_STAMP(3, 7);
     // Each warp of the grid turns one bucket's column of per-block counts into exclusive
-    // prefixes (in block order), then a second barrier publishes them. Buckets go to the
+    // prefixes (in block order) and the bucket's total (into `counts`, which this path
+    // overwrites rather than adds to), then a second barrier publishes them. Buckets go to the
     // blocks in turn (warp w of block j: bucket w * blocks + j), and a warp's loads of 128
     // blocks' counts are in flight together.
     for (int b = warp * blocks + block; b < nb; b += blocks * nwarps) {
-      int* column = p.chunk_hist + (long long)b * blocks;
+      int* column = p.chunk_hist + b;  // entry j: column[j * nb]
       int carry = 0;
       for (int j0 = 0; j0 < blocks; j0 += 128) {
         int v[4];
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
           const int j = j0 + 32 * u + lane;
-          v[u] = j < blocks ? __ldcg(column + j) : 0;
+          v[u] = j < blocks ? __ldcg(column + (long long)j * nb) : 0;
         }
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
           const int j = j0 + 32 * u + lane;
           const int x = warp_inclusive_sum(v[u]);
-          if (j < blocks) column[j] = carry + x - v[u];
+          if (j < blocks) column[(long long)j * nb] = carry + x - v[u];
           carry += __shfl_sync(MLA_FULL_MASK, x, 31);
         }
       }
+      if (lane == 0) counts[b] = carry;
     }
-    blocks_barrier(ctrl + 4 + parity, 2u * (unsigned)blocks);
+    blocks_barrier(ctrl + 4 + parity, arrivals + (unsigned)blocks);
   }
   MLA_STAMP(3, 4);
 
   for (int b = threadIdx.x; b < nb; b += blockDim.x) {
     starts[b] = __ldcg(counts + b);
-    if (DET == COOP_ORDERED && hist[b + 1] != hist[b]) adj[b] = __ldcg(p.chunk_hist + (long long)b * blocks + block);
+    if (DET == COOP_ORDERED && hist[b + 1] != hist[b]) adj[b] = __ldcg(p.chunk_hist + (long long)block * nb + b);
   }
   __syncthreads();
   scan_padded_counts(p, nb, [&](int b) { return starts[b]; }, starts, warp_sums);
@@ -216,7 +223,7 @@ __device__ __forceinline__ void align_cooperatively(const Problem& p, int block,
   write_expert_ids(p, processed, starts, tid, nthreads);
   if (DET == COOP_SORTED) {
     MLA_STAMP(3, 6);
-    blocks_barrier(ctrl + 4 + parity, 2u * (unsigned)blocks);
+    blocks_barrier(ctrl + 4 + parity, arrivals + (unsigned)blocks);
     order_segments(p, starts, block, blocks, value, warp_sums);
 #ifdef MLA_PROBE
     __syncthreads();
@@ -229,16 +236,24 @@ __device__ __forceinline__ void align_cooperatively(const Problem& p, int block,
 #endif
 }
 
-// (1024, 1): one block a SM by design; without the minimum, NVRTC 13.0 gave an instance 32
-// registers and spilled.
+// (1024, 1): one block a SM by design, or two of 512 threads with fill blocks (64 registers
+// a thread at most either way); without the minimum, NVRTC 13.0 gave an instance 32
+// registers and spilled. The last p.fill_blocks blocks only fill: their arrival counts at
+// the counting blocks' first barrier, which orders the fill before the routes. (The parity
+// is read before arriving: block 0 flips it only once every block has arrived.)
 template <typename IdT, int DET>
 __global__ void __launch_bounds__(1024, 1) align_cooperative(const Problem p) {
-  align_cooperatively<IdT, DET>(p, blockIdx.x, gridDim.x);
+  const int counting = (int)gridDim.x - p.fill_blocks;
+  if ((int)blockIdx.x >= counting)
+    fill_and_arrive(p, (int)blockIdx.x - counting, false, p.ticket + 4 + (__ldcg(p.ticket) & 1u));
+  else
+    align_cooperatively<IdT, DET>(p, blockIdx.x, counting);
 }
 
 // Base and LoRA alignment in one cooperative launch: the first `first.coop_blocks` blocks
-// align `first`, the rest `second`; each side has its own scratch and barriers, and its own
-// DET argument (deterministic: ordered ranks or sorted segments, as its own launch would).
+// align `first`, the rest `second` (neither has fill blocks); each side has its own scratch
+// and barriers, and its own DET argument (deterministic: ordered ranks or sorted segments, as
+// its own launch would).
 template <typename IdT, int DET_FIRST, int DET_SECOND>
 __global__ void __launch_bounds__(1024, 1) align_cooperative_pair(const Problem first,
                                                                const Problem second) {

@@ -101,7 +101,9 @@ __global__ void align_pair(const Problem first, const Problem second) {
 // the time is that chain, one warp's instructions one after another (about five stages of
 // ~1000 cycles in align_single), so this version has no divisions in its loops, a two-barrier
 // scan whose result stays in each bucket's thread, tiles written by their bucket's thread
-// instead of a binary search per tile, and every fill issued before counting.
+// instead of a binary search per tile, and every fill issued before counting. Large fills
+// (LoRA with many slots) go to fill blocks instead: the launch's blocks past the first write
+// them, and block 0 waits for their arrivals only before its own stores.
 // DET: ranks in flat-index order. Warp w owns routes [w * items * 32, (w + 1) * items * 32),
 // items = 1, 2 or 4 routes a lane (the fewest that cover the routes); ranks within the warp
 // come in lane order (claim_in_lane_order into the warp's own counters), and each bucket's
@@ -111,9 +113,17 @@ __global__ void align_pair(const Problem first, const Problem second) {
 #define TINY_ITEMS 4
 #define TINY_BUCKETS 4
 
+// A base alignment: one row, always processed. (A LoRA call without tokens has no token
+// slots either, but may list its slots or disable adapters, and has a row per slot.)
+__device__ __forceinline__ bool base_problem(const Problem& p) {
+  return p.rows == 1 && p.token_slot == nullptr && p.lora_ids == nullptr &&
+         p.adapter_enabled == nullptr;
+}
+
 // PER: buckets a thread, a compile-time count so the one-bucket version carries no loop or
-// guard for the others.
-template <typename IdT, int PER, bool DET>
+// guard for the others. BASE: a base_problem (one row, always processed), compiled apart so
+// the row arithmetic and the row flags fold away, as in align_warp's base instance.
+template <typename IdT, int PER, bool DET, bool BASE>
 __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
   __shared__ int warp_sums[32];
   const int nb = num_buckets(p), tid = threadIdx.x;
@@ -143,7 +153,8 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
     for (int q = 0; q < PER; ++q)
       if (q * bd + tid < nb) starts[q * bd + tid] = 0;
   }
-  mark_processed_rows(p, processed);
+  if (BASE) __syncthreads();  // the counts zeroed before any claim
+  else mark_processed_rows(p, processed);  // and its barrier
   // The sentinel fill of every written row, and -1 in all its tiles: fire-and-forget stores
   // that drain while the block counts (routes and tile owners overwrite them after the
   // barriers below, so nothing is left to write past the totals at the end).
@@ -151,15 +162,21 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
   const bool vec = ((p.sorted_pitch & 3) == 0) &&
                    ((reinterpret_cast<unsigned long long>(p.sorted_ids) & 15) == 0);
   const int units = vec ? (p.padded_len >> 2) : 0;
+  const bool fills = p.fill_blocks == 0;  // else the launch's other blocks write the fill
   const auto fill_row = [&](int r, int from, int step) {
-    if (!row_written(p, processed, r)) return;
+    if (!BASE && !row_written(p, processed, r)) return;
     int* row = p.sorted_ids + (long long)r * p.sorted_pitch;
 #pragma unroll 1
     for (int k = from; k < units; k += step) reinterpret_cast<int4*>(row)[k] = sentinel;
 #pragma unroll 1
     for (int k = 4 * units + from; k < p.padded_len; k += step) row[k] = p.numel;
   };
-  if (p.rows > 1 && 2 * (vec ? units : p.padded_len) <= (int)blockDim.x) {
+  if (!fills) {
+  } else if (BASE) {
+    fill_row(0, tid, bd);
+#pragma unroll 1
+    for (int k = tid; k < p.num_tiles; k += bd) p.expert_ids[k] = -1;
+  } else if (p.rows > 1 && 2 * (vec ? units : p.padded_len) <= (int)blockDim.x) {
     // Short rows: a group of nwarps / rows warps fills each (one warp a row when rows >=
     // nwarps); all rows in every thread would leave most threads idle on every row.
     const int group = p.rows >= nwarps ? 1 : nwarps / p.rows;
@@ -171,14 +188,14 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
 #pragma unroll 1
     for (int r = 0; r < p.rows; ++r) fill_row(r, tid, blockDim.x);
   }
-  fill_tile_ids(p, processed, tid, blockDim.x);
+  if (!BASE && fills) fill_tile_ids(p, processed, tid, blockDim.x);
   MLA_STAMP(0, 1);
 
   int bucket[TINY_ITEMS], rank[TINY_ITEMS];
 #pragma unroll
   for (int j = 0; j < TINY_ITEMS; ++j) {
     const int i = route_index(j);
-    bucket[j] = bucket_of(p, route[j], processed);
+    bucket[j] = BASE ? bucket_of(p, route[j], RowBits{1u}) : bucket_of(p, route[j], processed);
     if (p.scatter_idx != nullptr && i < p.numel) p.scatter_idx[i] = bucket[j] >= 0 ? i : -1;
     if (!DET) rank[j] = claim(starts, bucket[j]);
     else if (j < items)
@@ -212,6 +229,13 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
   for (int q = 0; q < PER; ++q)  // each thread overwrites only the counts it read
     if (first + q < nb) starts[first + q] = start[q];
   if (tid == 0) starts[nb] = total;
+  if (!fills && tid == 0) {
+    // Every fill block's stores before the ones below that overwrite them; then the count
+    // goes back to zero for the next call (all fill blocks have arrived).
+    while (load_acquire(p.ticket) < (unsigned)p.fill_blocks) {
+    }
+    *p.ticket = 0u;
+  }
   __syncthreads();
   MLA_STAMP(0, 3);
 
@@ -219,16 +243,25 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
   for (int j = 0; j < TINY_ITEMS; ++j) {
     if (bucket[j] < 0) continue;
     const int r = DET ? rank[j] + warp_counts[warp * stride + bucket[j]] : rank[j];
-    p.sorted_ids[output_index(p, starts, bucket[j], r)] = route_index(j);
+    p.sorted_ids[BASE ? starts[bucket[j]] + r : output_index(p, starts, bucket[j], r)] =
+        route_index(j);
   }
   // Tiles of this thread's buckets (only processed rows have counts).
 #pragma unroll
   for (int q = 0; q < PER; ++q) {
-    if (padded[q] != 0)
-      write_bucket_tiles(p, starts, first + q, start[q],
-                         fast_div(padded[q], p.block_magic, p.block_shift));
+    if (padded[q] == 0) continue;
+    const int tiles = fast_div(padded[q], p.block_magic, p.block_shift);
+    if (BASE) {
+      const int value = p.map_mode == 2 ? p.expert_map[first + q] : first + q;
+      int* tile = p.expert_ids + fast_div(start[q], p.block_magic, p.block_shift);
+#pragma unroll 1
+      for (int k = 0; k < tiles; ++k) tile[k] = value;
+    } else {
+      write_bucket_tiles(p, starts, first + q, start[q], tiles);
+    }
   }
-  write_totals(p, processed, starts);
+  if (!BASE) write_totals(p, processed, starts);
+  else if (tid == 0) p.num_post_pad[0] = total;
   MLA_STAMP(0, 4);
 #ifdef MLA_PROBE
   __syncthreads();
@@ -245,13 +278,6 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
 // atomics and a scan over every bucket. Ranks follow the lane order, which is the flat
 // index, so the result is the deterministic one as well.
 #define WARP_ROUTES 32
-
-// A base alignment: one row, always processed. (A LoRA call without tokens has no token
-// slots either, but may list its slots or disable adapters, and has a row per slot.)
-__device__ __forceinline__ bool base_problem(const Problem& p) {
-  return p.rows == 1 && p.token_slot == nullptr && p.lora_ids == nullptr &&
-         p.adapter_enabled == nullptr;
-}
 
 // BASE: a base_problem, compiled apart so the row arithmetic folds away (the general
 // instance cost a base decode call 0.2 to 0.3 us).
@@ -338,20 +364,27 @@ __device__ __forceinline__ void align_warp(const Problem& p) {
 // The dispatcher keeps nb <= TINY_BUCKETS * blockDim.
 template <typename IdT, bool DET>
 __device__ __forceinline__ void align_tiny_block(const Problem& p) {
-  if (p.numel <= WARP_ROUTES && base_problem(p)) align_warp<IdT, true>(p);
-  else if (p.numel <= WARP_ROUTES && p.rows <= 32) align_warp<IdT, false>(p);
-  else if (num_buckets(p) > (int)blockDim.x) align_tiny_buckets<IdT, TINY_BUCKETS, DET>(p);
-  else align_tiny_buckets<IdT, 1, DET>(p);
+  const bool one_warp = p.numel <= WARP_ROUTES && p.fill_blocks == 0;  // it fills itself
+  if (one_warp && base_problem(p)) align_warp<IdT, true>(p);
+  else if (one_warp && p.rows <= 32) align_warp<IdT, false>(p);
+  else if (num_buckets(p) > (int)blockDim.x) align_tiny_buckets<IdT, TINY_BUCKETS, DET, false>(p);
+  else if (base_problem(p)) align_tiny_buckets<IdT, 1, DET, true>(p);
+  else align_tiny_buckets<IdT, 1, DET, false>(p);
 }
 
 // (1024, 1): with (1024) alone NVRTC 13.0 gave align_tiny<short> 32 registers on sm_80, and spills.
+// Blocks past the first are fill blocks (p.fill_blocks of them, large LoRA fills; the launch
+// is then cooperative): block 0 waits for their arrivals at p.ticket before its stores.
 template <typename IdT, bool DET>
 __global__ void __launch_bounds__(1024, 1) align_tiny(const Problem p) {
-  align_tiny_block<IdT, DET>(p);
+  if (blockIdx.x > 0) fill_and_arrive(p, blockIdx.x - 1, true, p.ticket);
+  else align_tiny_block<IdT, DET>(p);
 }
 
-// Base and LoRA alignment in one launch of two tiny blocks (block 0: `first`).
+// Base and LoRA alignment in one launch of two tiny blocks (block 0: `first`), then the
+// fill blocks of `second` (second.fill_blocks of them; the launch is then cooperative).
 template <typename IdT, bool DET>
 __global__ void __launch_bounds__(1024, 1) align_tiny_pair(const Problem first, const Problem second) {
-  align_tiny_block<IdT, DET>(blockIdx.x == 0 ? first : second);
+  if (blockIdx.x >= 2) fill_and_arrive(second, blockIdx.x - 2, true, second.ticket);
+  else align_tiny_block<IdT, DET>(blockIdx.x == 0 ? first : second);
 }

@@ -21,6 +21,9 @@ TINY_BUCKETS = 4              # TINY_BUCKETS: align_tiny's buckets a thread when
 WARP_ROUTES = 32              # WARP_ROUTES: align_tiny places at most this many routes
                               #   (of at most 32 rows) on one warp (align_warp)
 COOP_ITEMS = 8                # COOP_ITEMS: the cooperative kernels' routes a thread, at most
+FILL_SPLIT_BLOCK = BLOCK // 2  # threads of each block of a cooperative launch with fill blocks
+                              #   (two blocks an SM: __launch_bounds__(BLOCK, 1) keeps a
+                              #   thread at 64 registers, so both fit the register file)
 CLUSTER_BLOCKS = 8            # CLUSTER_BLOCKS: blocks of align_cluster's one cluster
 CLUSTER_ITEMS = 8             # CLUSTER_ITEMS: align_cluster's routes a thread, at most
 ORDER_ITEMS = 4               # ORDER_ITEMS: entries a lane holds in the segment sort's warps
@@ -67,6 +70,13 @@ class AlignPolicy:
     sort_min_buckets: int = 4096
     # Multi-block launches.
     fill_per_block: int = 8192           # sentinel entries a count block fills, about
+    # From this many output entries the cooperative launch gets fill blocks: blocks that only
+    # write the sentinel fill beside the counting blocks (two blocks of FILL_SPLIT_BLOCK
+    # threads an SM) instead of the counting blocks filling before they count.
+    coop_fill_blocks_from: int = 0
+    # From this many output entries align_tiny (past one warp's routes) gets fill blocks:
+    # a block per fill_per_block entries writes the fill while block 0 counts.
+    tiny_fill_blocks_from: int = 16384
     chunk_matrix_budget: int = 1 << 18   # entries of the deterministic [chunks, buckets] matrix
 
 
@@ -123,6 +133,9 @@ class Launch:
     tiny: bool = False            # single: align_tiny (a thread per bucket), not align_single
     sorted: bool = False      # cooperative, deterministic: sorts every segment after a
                               #   second barrier (else ranks in flat order)
+    fill_grid: int = 0        # cooperative: the grid's last blocks, align_tiny: the blocks
+                              #   after the first, which only write the sentinel fill (the
+                              #   aligning blocks fill when 0)
     order_grid: int = 0       # > 0: then align_order, this many blocks, sorts every segment
                               #   (deterministic output from the free-order count + place)
     smem_order: int = 0       # dynamic shared bytes of align_order (the sort's scratch)
@@ -184,15 +197,15 @@ def smem_place(mode: int, num_buckets: int, rows: int, *, range_width: int = 0,
 
 
 def smem_cooperative(num_buckets: int, rows: int, chunk: int, deterministic: bool,
-                     numel: int = 0, sort: bool = False) -> int:
+                     numel: int = 0, sort: bool = False, block: int = BLOCK) -> int:
     """align_cooperative: hist[nb + 1], adj[nb], starts[nb + 1], then value[chunk] and
     bucket_of_k[chunk]; deterministic: with ``sort`` the segment sort's scratch in their
-    place where larger, else warp_counts[32 * even(nb)] ushort after them."""
+    place where larger, else warp_counts[block / 32 * even(nb)] ushort after them."""
     staging = 8 * chunk
     if deterministic and sort:
         staging = max(staging, order_scratch_bytes(numel))
     elif deterministic:
-        staging += 2 * (BLOCK // 32) * _even(num_buckets)
+        staging += 2 * (block // 32) * _even(num_buckets)
     return row_region_bytes(rows) + 4 * (3 * num_buckets + 2) + staging
 
 
@@ -276,18 +289,34 @@ def tiny_warp_counter_bytes(numel: int, block: int, num_buckets: int) -> int:
     return 2 * _ceil_div(numel, 32 * items) * (num_buckets + (num_buckets & 1))
 
 
+def tiny_fill_blocks(numel: int, out_entries: int, limits: DeviceLimits,
+                     policy: AlignPolicy = DEFAULT_POLICY, aligning: int = 1) -> int:
+    """Fill blocks of an align_tiny launch (or of the LoRA side of the fused tiny pair) beside
+    its ``aligning`` blocks: one per ``fill_per_block`` output entries from
+    ``tiny_fill_blocks_from`` on, the launch within the SMs; none on the one-warp path (which
+    fills itself) or where the launch cannot be cooperative (the aligning blocks wait for the
+    fill blocks, so all must be resident). The aligning blocks are then sized without the
+    fill."""
+    if (not limits.cooperative or numel <= WARP_ROUTES
+            or out_entries < policy.tiny_fill_blocks_from):
+        return 0
+    return max(0, min(limits.sm_count - aligning, _ceil_div(out_entries, policy.fill_per_block)))
+
+
 def _single_block(numel, num_buckets, rows, deterministic, limits, out_entries=0,
-                  use_tiny=True, policy: AlignPolicy = DEFAULT_POLICY):
+                  use_tiny=True, policy: AlignPolicy = DEFAULT_POLICY, fill_blocks=True):
     if numel > SINGLE_BLOCK_MAX_ROUTES:
         return None
     base = smem_one_block(num_buckets, rows)
     block = single_block_threads(numel, out_entries, num_buckets, policy)
-    tiny = (tiny_block_threads(numel, out_entries, num_buckets, policy)
+    fill = tiny_fill_blocks(numel, out_entries, limits, policy) if fill_blocks else 0
+    tiny = (tiny_block_threads(numel, 0 if fill else out_entries, num_buckets, policy)
             if policy.use_tiny and use_tiny else None)
     if tiny is not None:
         smem = base + (tiny_warp_counter_bytes(numel, tiny, num_buckets) if deterministic else 0)
         if smem <= limits.dynamic_smem:
-            return Launch("shared", "single", deterministic, tiny, smem_single=smem, tiny=True)
+            return Launch("shared", "single", deterministic, tiny, grid=1 + fill,
+                          smem_single=smem, tiny=True, fill_grid=fill)
     if not deterministic:
         if base > limits.dynamic_smem:
             return None
@@ -312,38 +341,70 @@ def sorts_segments(num_buckets: int, policy: AlignPolicy) -> bool:
     return policy.sort_for_determinism and num_buckets >= policy.sort_min_buckets
 
 
+def two_blocks_an_sm(block: int, smem: int, limits: DeviceLimits) -> bool:
+    """Two blocks of align_cooperative fit on one SM: at most FILL_SPLIT_BLOCK threads each
+    (registers) and both blocks' shared memory, with the kernel's static part and the
+    driver's reserve, within one block's opt-in limit (below the SM's capacity)."""
+    return block <= FILL_SPLIT_BLOCK and 2 * (smem + SMEM_SLACK + 1024) <= limits.smem_optin
+
+
 def _cooperative(numel, num_buckets, rows, limits, out_entries, deterministic=False,
-                 policy: AlignPolicy = DEFAULT_POLICY):
+                 policy: AlignPolicy = DEFAULT_POLICY, fill_blocks: bool = True):
     """The one-launch multi-block kernel's geometry, or None where it cannot run: no
     cooperative launch, more routes than the resident blocks hold, or its shared memory
     (histogram, reserved offsets, starts: 12 bytes a bucket; 8 bytes a staged route; in
-    deterministic mode the segment sort's scratch where larger, or 64 bytes a bucket of
-    per-warp counters for ordered ranks) does not fit. Deterministic: the way the policy
-    prefers (``sorts_segments``), else the other where only it fits. At most one block per
-    SM, so every block is resident whatever the occupancy."""
+    deterministic mode the segment sort's scratch where larger, or 2 bytes a bucket a warp
+    of per-warp counters for ordered ranks) does not fit. Deterministic: the way the policy
+    prefers (``sorts_segments``), else the other where only it fits.
+
+    From ``policy.coop_fill_blocks_from`` output entries (and ``fill_blocks``), blocks of
+    FILL_SPLIT_BLOCK threads, two an SM: counting blocks, then fill blocks that only write
+    the sentinel fill; else (or where that does not fit) one block of BLOCK threads an SM,
+    the counting blocks filling too. Either way every block is resident whatever the
+    occupancy."""
     if not limits.cooperative:
         return None
+    if fill_blocks and out_entries >= policy.coop_fill_blocks_from:
+        split = _cooperative_blocks(numel, num_buckets, rows, limits, out_entries,
+                                    deterministic, policy, FILL_SPLIT_BLOCK)
+        if split is not None:
+            return split
+    return _cooperative_blocks(numel, num_buckets, rows, limits, out_entries, deterministic,
+                               policy, BLOCK)
+
+
+def _cooperative_blocks(numel, num_buckets, rows, limits, out_entries, deterministic, policy,
+                        block):
     per_sm = _ceil_div(max(numel, 1), limits.sm_count)
-    chunk = max(BLOCK, _ceil_div(per_sm, BLOCK) * BLOCK)
-    if chunk > COOP_ITEMS * BLOCK:
+    chunk = max(block, _ceil_div(per_sm, block) * block)
+    if chunk > COOP_ITEMS * block:
         return None
     ways = [False]
     if deterministic:
         prefer = sorts_segments(num_buckets, policy)
         ways = [prefer, not prefer]
     for sort in ways:
-        smem = smem_cooperative(num_buckets, rows, chunk, deterministic, numel, sort)
+        # The segment sort holds a segment of up to ORDER_DIGITS_MAX in a block of BLOCK.
+        if sort and block != BLOCK:
+            return None
+        smem = smem_cooperative(num_buckets, rows, chunk, deterministic, numel, sort, block)
         if smem <= limits.dynamic_smem:
             break
     else:
         return None
-    # Blocks past the last chunk only take their share of the sentinel fill (and of the
-    # segments to sort: about two a block).
-    fill_blocks = min(limits.sm_count, _ceil_div(out_entries, policy.fill_per_block))
+    fill = min(limits.sm_count, _ceil_div(out_entries, policy.fill_per_block))
     sort_blocks = min(limits.sm_count, _ceil_div(num_buckets, 2)) if sort else 1
-    grid = max(1, _ceil_div(numel, chunk), fill_blocks, sort_blocks)
-    return Launch("cooperative", "cooperative", deterministic, BLOCK, grid=grid, chunk=chunk,
-                  smem_place=smem, sorted=sort)
+    counting = max(1, _ceil_div(numel, chunk), sort_blocks)
+    if block == BLOCK:
+        # Blocks past the last chunk only take their share of the sentinel fill (and of the
+        # segments to sort: about two a block).
+        return Launch("cooperative", "cooperative", deterministic, block,
+                      grid=max(counting, fill), chunk=chunk, smem_place=smem, sorted=sort)
+    if not two_blocks_an_sm(block, smem, limits):
+        return None
+    fill = max(1, fill)
+    return Launch("cooperative", "cooperative", deterministic, block, grid=counting + fill,
+                  chunk=chunk, smem_place=smem, sorted=sort, fill_grid=fill)
 
 
 def cluster_block_threads(chunk: int, num_buckets: int,
@@ -607,7 +668,7 @@ def choose_cooperative_pair(numel: int, base_buckets: int, lora_buckets: int, ro
                                    (limits.sm_count - base_blocks, lora_buckets, rows,
                                     lora_entries)):
         side = _cooperative(numel, nb, r, DeviceLimits(blocks, limits.smem_optin, True),
-                            entries, deterministic, policy=policy)
+                            entries, deterministic, policy=policy, fill_blocks=False)
         if side is None:
             return None
         sides.append(side)
@@ -624,10 +685,13 @@ def choose_pair(numel: int, base_buckets: int, lora_buckets: int, rows: int,
     if (prefer_cooperative and not deterministic and limits.cooperative
             and out_entries > policy.coop_over_single_entries):
         return None
+    # The base side's block writes its own fill; the LoRA side's may have fill blocks (the
+    # tiny pair only: blocks 2.. of its launch), and its block is then sized without it.
+    fill = tiny_fill_blocks(numel, out_entries, limits, policy, aligning=2)
     base = _single_block(numel, base_buckets, 1, deterministic, limits,
-                         out_entries // max(rows, 1), policy=policy)
-    lora = _single_block(numel, lora_buckets, rows, deterministic, limits, out_entries,
-                         policy=policy)
+                         out_entries // max(rows, 1), policy=policy, fill_blocks=False)
+    lora = _single_block(numel, lora_buckets, rows, deterministic, limits,
+                         0 if fill else out_entries, policy=policy, fill_blocks=False)
     if base is None or lora is None:
         return None
     if base.tiny and lora.tiny:
@@ -637,8 +701,8 @@ def choose_pair(numel: int, base_buckets: int, lora_buckets: int, rows: int,
             smem = max(smem_one_block(nb, r, tiny_warp_counter_bytes(numel, block, nb))
                        for nb, r in ((base_buckets, 1), (lora_buckets, rows)))
         if smem <= limits.dynamic_smem:
-            return Launch("shared", "single", deterministic, block, grid=2, smem_single=smem,
-                          tiny=True)
+            return Launch("shared", "single", deterministic, block, grid=2 + fill,
+                          smem_single=smem, tiny=True, fill_grid=fill)
     if base.tiny or lora.tiny:  # two align_single blocks, each side sized for that kernel
         base, lora = (_single_block(numel, nb, r, deterministic, limits, e, use_tiny=False,
                                     policy=policy)
@@ -680,7 +744,9 @@ def launch_kernels(launch, fused: bool = False) -> list:
     if launch.kind == "single":
         name = ("tiny" if launch.tiny else "single") if not fused else (
             "tiny_pair" if launch.tiny else "pair")
-        kernels = [((name, det), launch.grid, launch.block, launch.smem_single, False)]
+        # align_tiny with fill blocks: cooperative, so that block 0's wait for them returns
+        kernels = [((name, det), launch.grid, launch.block, launch.smem_single,
+                    launch.fill_grid > 0)]
     elif launch.kind == "cluster":
         kernels = [(("cluster_pair" if fused else "cluster", det), launch.grid, launch.block,
                     launch.smem_place, False)]
@@ -702,7 +768,8 @@ def _layout_bytes(kind: str, launch, numel: int, sides) -> int:
     if kind == "order":
         return order_scratch_bytes(numel)
     if isinstance(launch, CooperativePair):
-        return max(smem_cooperative(nb, r, side.chunk, side.deterministic, numel, side.sorted)
+        return max(smem_cooperative(nb, r, side.chunk, side.deterministic, numel, side.sorted,
+                                    side.block)
                    for (nb, r), side in zip(sides, (launch.base, launch.lora)))
     if launch.kind == "single":
         return max(smem_one_block(nb, r, _one_block_counters(launch, numel, nb))
@@ -712,7 +779,7 @@ def _layout_bytes(kind: str, launch, numel: int, sides) -> int:
     (nb, rows), = sides
     if kind == "cooperative":
         return smem_cooperative(nb, rows, launch.chunk, launch.deterministic, numel,
-                                launch.sorted)
+                                launch.sorted, launch.block)
     if kind == "count":
         return smem_count(launch.mode, nb, rows, launch.range_width)
     staged = launch.chunk if launch.stage_output else 0
@@ -744,11 +811,29 @@ def check_launch(launch, numel: int, sides, limits: DeviceLimits) -> None:
             why = f"a block of {block} threads"
         elif not 1 <= grid <= 2**31 - 1:
             why = f"a grid of {grid} blocks"
-        elif kernel.startswith("cooperative") and grid > limits.sm_count:
+        elif kernel.startswith("cooperative") and grid > limits.sm_count * (
+                2 if two_blocks_an_sm(block, given, limits) else 1):
+            why = f"{grid} blocks of {block} threads cannot all be resident on {limits.sm_count} SMs"
+        elif kernel in ("single", "pair") and launch.fill_grid:
+            why = (f"{launch.fill_grid} fill blocks (only align_tiny, its pair and "
+                   "align_cooperative have them)")
+        elif kernel in ("tiny", "tiny_pair") and grid != len(sides) + launch.fill_grid:
+            why = (f"a grid of {grid} blocks, not {len(sides)} and {launch.fill_grid} fill "
+                   "blocks")
+        elif kernel in ("tiny", "tiny_pair") and launch.fill_grid and grid > limits.sm_count:
             why = f"{grid} blocks cannot all be resident on {limits.sm_count} SMs"
+        elif kernel == "cooperative" and launch.chunk > COOP_ITEMS * block:
+            why = f"chunks of {launch.chunk} routes, more than {COOP_ITEMS} a thread of {block}"
+        elif kernel == "cooperative" and launch.sorted and block != BLOCK:
+            why = f"the segment sort in blocks of {block} threads (it needs {BLOCK})"
+        elif kernel == "cooperative" and launch.fill_grid and (
+                launch.fill_grid >= grid or block > FILL_SPLIT_BLOCK):
+            why = (f"{launch.fill_grid} of {grid} blocks of {block} threads only filling "
+                   "(at least one block counts; fill blocks come with blocks of "
+                   f"{FILL_SPLIT_BLOCK} threads, two an SM)")
         if why is None and kernel in ("count", "cooperative"):
             per_block = launch.chunk
-            blocks = grid // launch.ranges if kernel == "count" else grid
+            blocks = grid // launch.ranges if kernel == "count" else grid - launch.fill_grid
             if per_block * blocks < numel or (kernel == "count" and grid < launch.grid):
                 why = f"{blocks} chunks of {per_block} routes do not cover {numel} routes"
         if why is None and kernel.startswith("cluster"):

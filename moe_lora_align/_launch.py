@@ -29,7 +29,7 @@ _MAGICS = tuple(x for d in _DIVISORS for x in ((d + "_magic", np.uint32), (d + "
 # Mirrors kernels/align_common.cuh: struct Problem.
 PROBLEM_DTYPE = np.dtype([(n, np.uint64) for n in _POINTERS] + [(n, np.int32) for n in _INTS]
                          + list(_MAGICS) + [("count_stride", np.int32), ("coop_blocks", np.int32),
-                            ("reserved_", np.int32)], align=True)
+                            ("fill_blocks", np.int32)], align=True)
 
 MAP_NONE, MAP_BEFORE, MAP_AFTER = 0, 1, 2
 _state_lock = threading.RLock()  # guards the per-device caches that host threads share
@@ -172,9 +172,10 @@ def division_magic(d: int):
 POINTERS = struct.Struct("<9Q")
 
 
-def pack(job: Job, launch: _dispatch.Launch, ws: Workspace) -> None:
+def pack(job: Job, launch: _dispatch.Launch, ws: Workspace, fill_blocks: bool = True) -> None:
     """Pack the kernels' ``Problem`` argument of one job into ``job.packed`` (a prepared
-    call later rewrites only its array pointers: ``POINTERS``)."""
+    call later rewrites only its array pointers: ``POINTERS``). ``fill_blocks``: the job
+    has the launch's fill blocks (the fused tiny pair's LoRA side; its base side has none)."""
     coop = launch.kind == "cooperative"
     counts, ticket = (ws.coop_counts, ws.coop_control) if coop else (ws.counts, ws.ticket)
     raw = _PACKER.pack(
@@ -189,7 +190,7 @@ def pack(job: Job, launch: _dispatch.Launch, ws: Workspace) -> None:
         int(launch.starts_in_smem), int(launch.stage_output), *division_magic(max(job.topk, 1)),
         *division_magic(job.block_size), *division_magic(job.num_experts),
         *division_magic(max(job.num_tiles, 1)), ws.buckets if coop else 0,
-        launch.grid if coop else 0, 0)
+        launch.grid if coop else 0, launch.fill_grid if fill_blocks else 0)
     job.packed = np.frombuffer(bytearray(raw), dtype=np.uint8)
     job.params = np.array([job.packed.ctypes.data], dtype=np.uint64)
     job.params_addr = job.params.ctypes.data
@@ -328,7 +329,8 @@ def workspace_needs(launch: _dispatch.Launch, num_buckets: int) -> Tuple[int, in
     matrix = (launch.grid // launch.ranges) * num_buckets if launch.mode in (0, 2) and \
         launch.kind == "multi" else 0
     if launch.kind == "cooperative" and launch.deterministic and not launch.sorted:
-        matrix = launch.grid * num_buckets  # per-block counts, prefixed between two barriers
+        # per-block counts of the counting blocks, prefixed between two barriers
+        matrix = (launch.grid - launch.fill_grid) * num_buckets
     return num_buckets, matrix
 
 
@@ -395,7 +397,7 @@ def launch_pair(base: Job, lora: Job, launch, ws_base: Workspace, ws_lora: Works
     else:
         ws_base.ensure(1, 0, stream)
         ws_lora.ensure(1, 0, stream)
-        pack(base, launch, ws_base)
+        pack(base, launch, ws_base, fill_blocks=False)
         pack(lora, launch, ws_lora)
     (key, grid, block, smem, cooperative), = _dispatch.launch_kernels(launch, fused=True)
     launch_kernel(ks, key, grid, block, smem, stream, base, lora, cooperative=cooperative)

@@ -5,16 +5,22 @@
 
 Every case is timed with graph replay (moe_lora_align.bench.graph_us) under each of RUNS'
 dispatcher settings: align_tiny as dispatched ("tiny"), align_tiny with four buckets a
-thread wherever its block has fewer threads than buckets ("tiny4"), align_single
-("single"), and the dispatcher's default but with one block up to any fill size ("no
-coop": the cooperative launch otherwise takes the largest LoRA fills), and
-``deterministic=True`` through align_tiny ("det") and through align_single ("det single").
-With ``--baseline``
-also align_tiny compiled from the kernel sources in DIR (an earlier commit's ``kernels/``,
-cases it can run: a thread per bucket), and with each ``--variant`` the kernel sources in
-DIR under the default dispatcher but a thread per bucket up to 1024 buckets (NAME=DIR:1:
-sources that have only that; NAME=DIR:det: with ``deterministic=True``). Runs take turns, three times, so drift hits all; each result
-is checked against the NumPy backend first.
+thread wherever its block has fewer threads than buckets ("tiny4"), align_single ("single"),
+and the dispatcher's default but with one block up to any fill size ("no coop": the
+cooperative launch otherwise takes the largest LoRA fills), ``deterministic=True`` through
+align_tiny ("det") and through align_single ("det single"), the cooperative launch without
+fill blocks ("no fill blocks", "det no fill blocks": its counting blocks fill first; the
+prefill cases), and align_tiny without fill blocks ("no tiny fill blocks", "det no tiny fill
+blocks", "no coop no tiny fill blocks": block 0 fills first), and the mid band through
+align_tiny (or past its routes the cooperative launch) instead of the cluster, with and
+without fill blocks ("no cluster", "no cluster tiny fill blocks", "no fill blocks no
+cluster"). Sources of earlier commits (``--baseline``, ``--variant``) run without
+fill blocks. With ``--baseline`` also align_tiny compiled from the kernel sources in DIR (an
+earlier commit's ``kernels/``, cases it can run: a thread per bucket), and with each
+``--variant`` the kernel sources in DIR under the default dispatcher but a thread per bucket
+up to 1024 buckets (NAME=DIR:1: sources that have only that; NAME=DIR:det: with
+``deterministic=True``). Runs take turns, three times, so drift hits all; each result is
+checked against the NumPy backend first.
 """
 from __future__ import annotations
 
@@ -45,6 +51,15 @@ CASES = [  # op, T, E, K, B, L
     ("lora", 1, 256, 8, 16, 16), ("lora", 16, 256, 8, 16, 16), ("lora", 64, 256, 8, 16, 16),
     ("lora", 256, 256, 8, 16, 16), ("pair", 16, 256, 8, 16, 16),
     ("pair", 1, 64, 8, 16, 4), ("pair", 64, 128, 8, 16, 4), ("pair", 256, 64, 8, 16, 16),
+    # the mid band past align_tiny's routes: the cluster, or without it ("no cluster") the
+    # cooperative launch
+    ("base", 512, 256, 8, 16, None), ("base", 1024, 128, 8, 64, None),
+    ("base", 1024, 256, 8, 64, None), ("base", 1024, 512, 10, 64, None),
+    # prefill, the cooperative launch ("no fill blocks" against its default)
+    ("base", 4096, 256, 8, 64, None), ("base", 16384, 256, 8, 64, None),
+    ("base", 65536, 256, 8, 64, None), ("base", 16384, 8, 8, 64, None),
+    ("lora", 4096, 256, 8, 64, 16), ("lora", 16384, 256, 8, 64, 16),
+    ("lora", 16384, 256, 8, 64, 4), ("lora", 4096, 64, 8, 64, 4),
 ]
 
 
@@ -92,13 +107,26 @@ def make_call(case, stream, det=False, policy=None):
     return fn
 
 
-ONE = {"tiny_one_bucket_max": 1024}
+# Sources of earlier commits know no fill blocks: their runs have none.
+ONE = {"tiny_one_bucket_max": 1024, "tiny_fill_blocks_from": 1 << 62,
+       "coop_fill_blocks_from": 1 << 62}
 RUNS = [  # name, AlignPolicy fields, kernel sources (None: the package's), one bucket a
           # thread only, deterministic
     ("tiny", {}, None, False, False), ("tiny4", {"tiny_one_bucket_max": 0}, None, False, False),
     ("single", {"use_tiny": False}, None, False, False),
     ("no coop", {"coop_over_single_entries": 1 << 30}, None, False, False),
-    ("det", {}, None, False, True), ("det single", {"use_tiny": False}, None, False, True)]
+    ("det", {}, None, False, True), ("det single", {"use_tiny": False}, None, False, True),
+    ("no fill blocks", {"coop_fill_blocks_from": 1 << 62}, None, False, False),
+    ("det no fill blocks", {"coop_fill_blocks_from": 1 << 62}, None, False, True),
+    ("no tiny fill blocks", {"tiny_fill_blocks_from": 1 << 62}, None, False, False),
+    ("det no tiny fill blocks", {"tiny_fill_blocks_from": 1 << 62}, None, False, True),
+    ("no coop no tiny fill blocks", {"coop_over_single_entries": 1 << 30,
+                                     "tiny_fill_blocks_from": 1 << 62}, None, False, False),
+    ("no cluster", {"cluster_min_routes": 1 << 30}, None, False, False),
+    ("no cluster tiny fill blocks", {"cluster_min_routes": 1 << 30, "tiny_fill_blocks_from": 0},
+     None, False, False),
+    ("no fill blocks no cluster", {"cluster_min_routes": 1 << 30,
+                                   "coop_fill_blocks_from": 1 << 62}, None, False, False)]
 
 def medians_in_turns(names, time_run, turns=3):
     """One case's µs under each named run, the runs taking turns ``turns`` times so drift hits

@@ -311,6 +311,6 @@ def test_scratch_bytes_formula():
         launch = mla._dispatch.choose_launch(32768, 256, 1, limits, deterministic=True,
                                              out_entries=32768 * 2 + 256 * 64, policy=ordered)
         assert launch.deterministic and not launch.sorted and not launch.order_grid
-        chunks = launch.grid // launch.ranges
+        chunks = (launch.grid - launch.fill_grid) // launch.ranges
         assert mla.scratch_bytes(32768, 256, 64, deterministic=True, limits=limits,
                                  policy=ordered) == 4 * (5 * 256 + 10 + chunks * 256)

@@ -84,10 +84,16 @@ def test_decisions(numel, buckets, rows, limits, det, variant, expect):
         elif launch.variant == "shared":
             assert launch.chunk <= d.BLOCK * d.ITEMS_PER_THREAD
     if launch.kind == "cooperative":
-        # every block resident: at most one a SM; the chunks cover every route
-        assert launch.grid <= limits.sm_count
-        assert launch.grid * launch.chunk >= numel
-        assert launch.chunk <= d.BLOCK * d.COOP_ITEMS
+        # every block resident: one a SM, or two of half the threads with fill blocks; the
+        # counting blocks' chunks cover every route
+        counting = launch.grid - launch.fill_grid
+        assert counting >= 1 and launch.fill_grid <= limits.sm_count
+        assert counting <= limits.sm_count
+        if launch.fill_grid:
+            assert launch.block == d.FILL_SPLIT_BLOCK
+            assert d.two_blocks_an_sm(launch.block, launch.smem_place, limits)
+        assert counting * launch.chunk >= numel
+        assert launch.chunk <= launch.block * d.COOP_ITEMS
 
 
 def test_shared_override_that_cannot_fit_is_a_clear_error():
@@ -150,13 +156,55 @@ def test_deterministic_calls_sort_after_the_fast_kernels():
     assert launch.deterministic and not launch.order_grid
 
 
+NO_FILL_BLOCKS = d.AlignPolicy(coop_fill_blocks_from=1 << 62)
+
+
 def test_cooperative_fill_spreads_over_the_sms():
-    # LoRA T=4096, 16 slots, E=256, B=64: 32 chunks of routes, 16 rows of sentinels to write
-    launch = d.choose_launch(4096 * 8, 16 * 256, 16, H200, out_entries=16 * (48896 + 764))
-    assert launch.kind == "cooperative" and launch.chunk == 1024
-    assert launch.grid == -(-16 * (48896 + 764) // d.DEFAULT_POLICY.fill_per_block) > 32
-    assert d.choose_launch(4096, 256, 1, H200, out_entries=10**9,
-                           variant="cooperative").grid == H200.sm_count
+    # LoRA T=4096, 16 slots, E=256, B=64: 16 rows of sentinels to write
+    entries = 16 * (48896 + 764)
+    fill = -(-entries // d.DEFAULT_POLICY.fill_per_block)
+    # Fill blocks (the default): 64 counting blocks of 512 routes, then the fill's blocks.
+    launch = d.choose_launch(4096 * 8, 16 * 256, 16, H200, out_entries=entries)
+    assert launch.kind == "cooperative" and launch.block == d.FILL_SPLIT_BLOCK
+    assert launch.chunk == 512 and launch.fill_grid == fill
+    assert launch.grid == 64 + fill
+    # Without them: 32 chunks of routes, blocks past them only fill.
+    launch = d.choose_launch(4096 * 8, 16 * 256, 16, H200, out_entries=entries,
+                             policy=NO_FILL_BLOCKS)
+    assert launch.kind == "cooperative" and launch.chunk == 1024 and not launch.fill_grid
+    assert launch.grid == fill > 32
+    # T=65536: 128 chunks of 4096 routes (8 a thread of 512), then a fill block an SM
+    for policy, grid in ((d.DEFAULT_POLICY, 128 + H200.sm_count), (NO_FILL_BLOCKS, H200.sm_count)):
+        assert d.choose_launch(65536 * 8, 256, 1, H200, out_entries=10**9, policy=policy,
+                               variant="cooperative").grid == grid
+
+
+def test_fill_blocks_where_they_apply():
+    # From coop_fill_blocks_from output entries on
+    at = d.AlignPolicy(coop_fill_blocks_from=100000)
+    for entries, split in ((99999, False), (100000, True)):
+        launch = d.choose_launch(16384 * 8, 256, 1, H200, out_entries=entries, policy=at)
+        assert launch.kind == "cooperative" and bool(launch.fill_grid) == split
+        assert launch.block == (d.FILL_SPLIT_BLOCK if split else d.BLOCK)
+    # Not where the segment sort runs (it holds a segment in a block of BLOCK threads), nor
+    # in the cooperative pair, nor where two blocks' shared memory does not fit one SM
+    sort = d.choose_launch(16384 * 8, 16 * 256, 16, H200, deterministic=True,
+                           out_entries=10**6)
+    assert sort.kind == "cooperative" and sort.sorted and not sort.fill_grid
+    ordered = d.choose_launch(16384 * 8, 256, 1, H200, deterministic=True, out_entries=10**6)
+    assert ordered.kind == "cooperative" and not ordered.sorted and ordered.fill_grid
+    pair = d.choose_cooperative_pair(16384 * 8, 256, 16 * 256, 16, H200,
+                                     base_entries=10**5, lora_entries=10**6)
+    assert not pair.base.fill_grid and not pair.lora.fill_grid
+    big = d.choose_launch(16384 * 8, 16 * 1024, 16, H200, out_entries=10**6)
+    assert big.kind == "cooperative" and not big.fill_grid and big.block == d.BLOCK
+    assert not d.two_blocks_an_sm(d.FILL_SPLIT_BLOCK,
+                                  d.smem_cooperative(16 * 1024, 16, 1024, False), H200)
+    # Routes past what the counting blocks of half the threads hold: one block an SM
+    most = H200.sm_count * d.COOP_ITEMS * d.FILL_SPLIT_BLOCK
+    for numel, split in ((most, True), (most + 1, False)):
+        launch = d.choose_launch(numel, 256, 1, H200, out_entries=10**6)
+        assert launch.kind == "cooperative" and bool(launch.fill_grid) == split
 
 
 def test_unknown_variant():
@@ -490,11 +538,81 @@ def test_guard_refuses_what_a_kernel_cannot_run(field, value, why):
         d.check_launch(bad, numel, [(nb, 32)], H200)
 
 
+def test_tiny_fill_blocks():
+    """align_tiny gets a block per fill_per_block output entries beside block 0 from
+    tiny_fill_blocks_from entries on, and the fused tiny pair beside its two blocks for its
+    LoRA side: never on the one-warp path (it fills itself); the aligning block is then
+    sized without the fill."""
+    policy = d.DEFAULT_POLICY
+    entries = 16 * (128 + 256 * 15 + 248)  # LoRA T=16 K=8 E=256 B=16, 16 rows
+    launch = d.choose_launch(128, 16 * 256, 16, H200, out_entries=entries)
+    assert launch.kind == "single" and launch.tiny
+    assert launch.fill_grid == -(-entries // policy.fill_per_block) and launch.grid == 1 + launch.fill_grid
+    assert launch.block == d.tiny_block_threads(128, 0, 16 * 256)
+    # below the threshold, or one warp's routes: block 0 fills
+    for numel, out in ((128, policy.tiny_fill_blocks_from - 1), (d.WARP_ROUTES, 50000)):
+        small = d.choose_launch(numel, 16 * 64, 16, H200, out_entries=out)
+        assert small.tiny and small.grid == 1 and not small.fill_grid
+    at = d.choose_launch(d.WARP_ROUTES + 1, 16 * 64, 16, H200, out_entries=50000)
+    assert at.tiny and at.fill_grid
+    # never more blocks than SMs
+    most = d.choose_launch(4096, 16 * 256, 16, H200, out_entries=10**8,
+                           policy=d.AlignPolicy(coop_over_single_entries=10**9))
+    assert most.tiny and most.grid == H200.sm_count
+    pair = d.choose_pair(128, 256, 16 * 256, 16, H200, out_entries=entries)
+    assert pair.tiny and pair.fill_grid == launch.fill_grid and pair.grid == 2 + pair.fill_grid
+    sides = [(256, 1), (16 * 256, 16)]
+    d.check_launch(pair, 128, sides, H200)
+    small = d.choose_pair(128, 256, 16 * 64, 16, H200,
+                          out_entries=policy.tiny_fill_blocks_from - 1)
+    assert small.tiny and small.grid == 2 and not small.fill_grid
+    import dataclasses
+    with pytest.raises(d.LaunchRefused, match="not 1 and"):
+        d.check_launch(dataclasses.replace(launch, grid=1), 128, [(16 * 256, 16)], H200)
+    with pytest.raises(d.LaunchRefused, match="not 2 and"):
+        d.check_launch(dataclasses.replace(pair, grid=2), 128, sides, H200)
+    single = d.choose_pair(128, 256, 16 * 256, 16, H200, out_entries=entries,
+                           policy=d.AlignPolicy(use_tiny=False))
+    assert not single.tiny and not single.fill_grid
+    with pytest.raises(d.LaunchRefused, match="only align_tiny"):
+        d.check_launch(dataclasses.replace(single, fill_grid=1), 128, sides, H200)
+    d.check_launch(launch, 128, [(16 * 256, 16)], H200)
+    # a cooperative launch (block 0 waits for them): none where there is no such launch
+    assert d.launch_kernels(launch)[0][4] and d.launch_kernels(pair, fused=True)[0][4]
+    assert not d.launch_kernels(small, fused=True)[0][4]
+    assert not d.choose_pair(128, 256, 16 * 256, 16, NO_COOP, out_entries=entries).fill_grid
+    assert not d.choose_launch(128, 16 * 256, 16, NO_COOP, out_entries=entries).fill_grid
+    with pytest.raises(d.LaunchRefused, match="resident"):
+        d.check_launch(dataclasses.replace(launch, grid=H200.sm_count + 1,
+                                           fill_grid=H200.sm_count), 128, [(16 * 256, 16)], H200)
+
+
 def test_guard_refuses_a_cooperative_grid_that_cannot_be_resident():
     import dataclasses
-    launch = d.choose_launch(8192, 256, 1, H200, variant="cooperative")
+    launch = d.choose_launch(8192, 256, 1, H200, variant="cooperative", policy=NO_FILL_BLOCKS)
     with pytest.raises(d.LaunchRefused, match="resident"):
         d.check_launch(dataclasses.replace(launch, grid=133), 8192, [(256, 1)], H200)
+    # Fill blocks: two blocks of half the threads an SM, never more
+    split = d.choose_launch(8192, 256, 1, H200, variant="cooperative", out_entries=10**6)
+    assert split.fill_grid and split.grid <= 2 * H200.sm_count
+    d.check_launch(dataclasses.replace(split, grid=2 * H200.sm_count), 8192, [(256, 1)], H200)
+    with pytest.raises(d.LaunchRefused, match="resident"):
+        d.check_launch(dataclasses.replace(split, grid=2 * H200.sm_count + 1), 8192,
+                       [(256, 1)], H200)
+    # Fill blocks only with blocks of half the threads, and at least one counting block
+    for bad in (dataclasses.replace(launch, fill_grid=1),
+                dataclasses.replace(split, fill_grid=split.grid)):
+        with pytest.raises(d.LaunchRefused, match="only filling"):
+            d.check_launch(bad, 8192, [(256, 1)], H200)
+    # The segment sort needs blocks of BLOCK threads; at most COOP_ITEMS routes a thread
+    with pytest.raises(d.LaunchRefused, match="segment sort"):
+        d.check_launch(dataclasses.replace(split, sorted=True, deterministic=True,
+                                           smem_place=100000), 8192,
+                       [(256, 1)], H200)
+    with pytest.raises(d.LaunchRefused, match="a thread of 512"):
+        d.check_launch(dataclasses.replace(split, chunk=d.COOP_ITEMS * 512 + 1,
+                                           smem_place=100000), 8192,
+                       [(256, 1)], H200)
 
 
 @pytest.mark.parametrize("rows", [1, 4, 16, 64])

@@ -483,3 +483,117 @@ def _every_kernel(emu):
     ran = {name for name, _, _ in emu.launched[start:]}
     missing = set(_kernels.kernel_names(np.int32).values()) - ran
     assert not missing, f"never launched on the emulator: {sorted(missing)}"
+
+
+# ---- fill blocks and the ordered path's totals (r38, r39) ---------------------------------
+# The cooperative kernel with fill blocks (blocks of FILL_SPLIT_BLOCK threads, two an SM, the
+# last ones only filling) and without, align_tiny and its pair with fill blocks (blocks past
+# the aligning ones fill; block 0 waits for their arrivals) and without; routes on both sides
+# of what the split's counting blocks hold on the emulated device (4 x 8 x 512).
+COOP_FILL = {"fill_blocks": AlignPolicy(coop_fill_blocks_from=0),
+             "no_fill_blocks": AlignPolicy(coop_fill_blocks_from=1 << 62)}
+SPLIT_MOST = emulator.LIMITS.sm_count * _dispatch.COOP_ITEMS * _dispatch.FILL_SPLIT_BLOCK
+
+
+def _coop_fill_launch(numel, buckets, rows, det, how):
+    launch = _dispatch.choose_launch(numel, buckets, rows, emulator.LIMITS, deterministic=det,
+                                     variant="cooperative", out_entries=numel,
+                                     policy=COOP_FILL[how])
+    split = how == "fill_blocks" and not launch.sorted and numel <= SPLIT_MOST
+    assert bool(launch.fill_grid) == split
+
+
+@pytest.mark.parametrize("how", list(COOP_FILL))
+@pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
+@pytest.mark.parametrize("E,T,K", [(7, 1, 8), (64, 255, 8), (256, 1024, 8), (257, 2048, 8),
+                                   (64, 2049, 8), (256, 1000, 3)])
+def test_base_cooperative_with_and_without_fill_blocks(emu, E, T, K, det, how):
+    _coop_fill_launch(T * K, E, 1, det, how)
+    for salt in range(2):
+        _run(emu, Case(T, K, E, 64, seed=90 + salt, scatter=salt == 1,
+                       kind=("uniform", "skewed")[salt]), det, "cooperative", COOP_FILL[how],
+             seeds=(salt,))
+
+
+@pytest.mark.parametrize("how", list(COOP_FILL))
+@pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
+@pytest.mark.parametrize("E,T,rows", [(64, 3, 4), (256, 512, 16), (64, 2048, 16),
+                                      (128, 2000, 4), (7, 2048, 33)])
+def test_lora_cooperative_with_and_without_fill_blocks(emu, E, T, rows, det, how):
+    _coop_fill_launch(T * 8, rows * E, rows, det, how)
+    for salt in range(2):
+        _run(emu, Case(T, 8, E, 64, rows=rows, seed=95 + salt, disabled=1 + salt), det,
+             "cooperative", COOP_FILL[how], seeds=(salt,))
+
+
+BIG_SINGLE = 1 << 30
+TINY_FILL = {"tiny_fill_blocks": AlignPolicy(tiny_fill_blocks_from=0,
+                                             coop_over_single_entries=BIG_SINGLE),
+             "no_tiny_fill_blocks": AlignPolicy(tiny_fill_blocks_from=1 << 62,
+                                                coop_over_single_entries=BIG_SINGLE)}
+
+
+def _tiny_fill_launch(numel, buckets, rows, det, how):
+    launch = _dispatch.choose_launch(numel, buckets, rows, emulator.LIMITS, deterministic=det,
+                                     out_entries=numel, policy=TINY_FILL[how])
+    if not (launch.kind == "single" and launch.tiny):
+        pytest.skip(f"{numel} routes over {buckets} buckets are not align_tiny's")
+    assert bool(launch.fill_grid) == (how == "tiny_fill_blocks" and numel > 32)
+
+
+@pytest.mark.parametrize("how", list(TINY_FILL))
+@pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
+@pytest.mark.parametrize("E,T,K", [(64, 33, 1), (1024, 16, 8), (257, 255, 8), (7, 512, 8),
+                                   (64, 4, 8)])
+def test_base_tiny_with_and_without_fill_blocks(emu, E, T, K, det, how):
+    _tiny_fill_launch(T * K, E, 1, det, how)
+    for salt in range(2):
+        _run(emu, Case(T, K, E, 16, seed=110 + salt, map_mode=(None, "after")[salt],
+                       scatter=salt == 1), det, None, TINY_FILL[how], seeds=(salt,))
+
+
+@pytest.mark.parametrize("how", list(TINY_FILL))
+@pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
+@pytest.mark.parametrize("E,T,rows", [(64, 5, 16), (256, 16, 16), (64, 16, 16), (256, 255, 16),
+                                      (64, 64, 4), (7, 100, 33), (128, 2, 16)])
+def test_lora_tiny_with_and_without_fill_blocks(emu, E, T, rows, det, how):
+    _tiny_fill_launch(T * 8, rows * E, rows, det, how)
+    for salt in range(3):
+        _run(emu, Case(T, 8, E, 16, rows=rows, seed=115 + salt, with_ids=salt != 2,
+                       disabled=salt, map_mode="before" if salt == 2 else None), det, None,
+             TINY_FILL[how], seeds=(salt,))
+
+
+@pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
+@pytest.mark.parametrize("fill", [True, False], ids=["fill_blocks", "no_fill_blocks"])
+@pytest.mark.parametrize("T,E,B,L", [(16, 256, 16, 16), (5, 64, 16, 16), (64, 128, 16, 4),
+                                     (255, 64, 16, 16), (5, 64, 128, 33)])
+def test_fused_tiny_pair_with_and_without_fill_blocks(emu, T, E, B, L, fill, det):
+    policy = AlignPolicy(tiny_fill_blocks_from=0 if fill else 1 << 62,
+                         coop_over_single_entries=BIG_SINGLE)
+    base = Case(T, 8, E, B, seed=T)
+    lora = Case(T, 8, E, B, rows=L, seed=T, disabled=2)
+    lora.ids[:] = base.ids
+    lora.want = [np.full(sh, POISON, np.int32) for sh in lora.shapes]
+    _call.run_on_host(lora.prepare(lora.want, False).job)
+    for seed in (0, 1):
+        mode, pair = emulator.run_pair(emu, base.job(det), lora.job(det), streams="fused",
+                                       policy=policy, seed=seed)
+        assert pair.tiny and bool(pair.fill_grid) == fill
+        base.check(det)
+        lora.check(det)
+
+
+def test_ordered_cooperative_totals_leave_the_scratch_clean(emu):
+    """The ordered path writes each bucket's total into its count buffer where the other
+    paths add to zeroed counts: free calls on either buffer after it, and ordered calls after
+    free ones, of more and fewer buckets, stay exact (one workspace throughout)."""
+    ws = emulator.HostWorkspace()
+    policy = AlignPolicy(sort_for_determinism=False)
+    for n, (E, det) in enumerate([(256, True), (256, False), (256, False), (512, True),
+                                  (64, False), (1024, False), (512, False), (256, True),
+                                  (64, True), (1024, False)]):
+        case = Case(2048, 8, E, 64, seed=40 + n)
+        emulator.run(emu, case.job(det), variant="cooperative", policy=policy, workspace=ws,
+                     seed=n)
+        case.check(det)

@@ -88,3 +88,61 @@ def test_the_next_rounds_ab_lines_name_runs_and_cases_that_exist(experiment):
         parts = [p for p in opts.get("--cases", "").split("|") if p]
         for part in parts:
             assert any(part in str(case) for case in experiment.CASES), (line, part)
+
+
+@pytest.mark.emulator
+def test_every_run_computes_every_small_case_on_the_emulator(experiment):
+    """Every run's dispatcher settings give the NumPy backend's answer on the CPU emulator
+    (tests/emulator), for the cases up to 1024 tokens, on the emulated device's limits: an
+    A/B run that computes something wrong shows here, before any GPU time is spent."""
+    import numpy as np
+
+    import emulator
+    from moe_lora_align import _call
+    from moe_lora_align.testing import POISON, canonical, make_lora, segment_starts
+
+    if not emulator.compiler_available():
+        pytest.skip("needs a C++ compiler for the kernel emulator")
+    emu = emulator.Emulator(emulator.build())
+    checked = 0
+    for name, settings, source, one_only, det in experiment.RUNS:
+        assert source is None
+        policy = mla.AlignPolicy(**settings)
+        for op, T, E, K, B, L in experiment.CASES:
+            if T > 1024:
+                continue
+            rng = np.random.default_rng(T * 7 + E)
+            ids = rng.integers(E, size=(T, K)).astype(np.int32)
+            P, M = mla.buffer_sizes(T * K, E, B)
+            sides = []
+            for lora, rows in {"base": [(False, 1)], "lora": [(True, L)],
+                               "pair": [(False, 1), (True, L)]}[op]:
+                kw = {}
+                if lora:
+                    mapping, lora_ids, enabled = make_lora(rng, T, rows)
+                    kw = dict(lora=True, token_lora_mapping=mapping, lora_ids=lora_ids,
+                              adapter_enabled=enabled)
+                shapes = ((rows, P), (rows, M), (rows,)) if kw else ((P,), (M,), (1,))
+                want = [np.full(sh, POISON, np.int32) for sh in shapes]
+                got = [np.full(sh, POISON, np.int32) for sh in shapes]
+                _call.run_on_host(_call.prepare(ids, B, E, rows=rows, out=want, **kw).job)
+                job = _call.prepare(ids, B, E, rows=rows, out=got, deterministic=det, **kw).job
+                starts = segment_starts(ids, E, B, rows=rows, mapping=kw.get(
+                    "token_lora_mapping"), lora_ids=kw.get("lora_ids"),
+                    enabled=kw.get("adapter_enabled"))
+                sides.append((job, got, want, starts))
+            try:
+                if op == "pair":
+                    emulator.run_pair(emu, sides[0][0], sides[1][0], policy=policy, seed=T)
+                else:
+                    emulator.run(emu, sides[0][0], policy=policy, seed=T)
+                for _, got, want, starts in sides:
+                    if not det:
+                        got[0], want[0] = (canonical(np.atleast_2d(x), starts)
+                                           for x in (got[0], want[0]))
+                    for g, w in zip(got, want):
+                        np.testing.assert_array_equal(g, w)
+            except Exception as e:  # noqa: BLE001 - named with the run and case
+                raise AssertionError(f"run {name!r}, case {(op, T, E, K, B, L)}: {e}") from e
+            checked += 1
+    assert checked > 100

@@ -236,6 +236,29 @@ def test_base_one_warp_path(E, T, K, det, salt):
                scatter=(T + salt) % 2 == 1)
 
 
+# align_tiny's base instance (kernels/one_block.cuh: align_tiny_buckets<IdT, 1, DET, true>),
+# which takes base calls past the one warp's routes with a thread a bucket: routes from 33 to
+# 4096, E from one bucket to 1024, an expert map before or after, scatter indices, every
+# routing kind and id width; LoRA calls of one row take the general instance.
+TINY_BASE_CASES = [(E, T, K) for E in (1, 7, 64, 257, 1024)
+                   for T, K in ((33, 1), (5, 8), (16, 8), (64, 8), (100, 10), (255, 8),
+                                (512, 8))]
+
+
+@pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
+@pytest.mark.parametrize("E,T,K", TINY_BASE_CASES)
+def test_base_tiny_instance(E, T, K, det):
+    launch = mla._dispatch.choose_launch(T * K, E, 1, mla._launch.device_limits(0),
+                                         deterministic=det)
+    if not (launch.kind == "single" and launch.tiny):
+        pytest.skip(f"{T * K} routes over {E} buckets are not align_tiny's")
+    assert T * K > WARP_ROUTES and E <= launch.block  # a thread a bucket, past one warp
+    for salt in range(3):
+        mode = (None, "before", "after")[(E + T + K + salt) % 3]
+        _base_case(E, T, None, det, salt=100 + salt, topk=K, expert_map_mode=mode,
+                   scatter=salt == 1)
+
+
 @pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
 @pytest.mark.parametrize("E,T,K,rows", WARP_LORA_CASES)
 def test_lora_one_warp_path(E, T, K, rows, det):
@@ -278,6 +301,104 @@ def test_cooperative_scratch_serves_calls_of_any_size_in_turn():
             _lora_case(E, T, "cooperative", det, salt=20 + n, max_loras=16)
         else:
             _base_case(E, T, "cooperative", det, salt=20 + n)
+
+
+def test_ordered_cooperative_totals_leave_the_scratch_clean():
+    """The ordered path writes each bucket's total into its count buffer where the other
+    paths add to zeroed counts: free calls on either buffer after it, and ordered calls after
+    free ones, of more and fewer buckets, stay exact."""
+    for n, (E, det) in enumerate([(256, True), (256, False), (256, False), (512, True),
+                                  (64, False), (1024, False), (512, False), (256, True),
+                                  (64, True), (1024, False)]):
+        _base_case(E, 16384, "cooperative", det, salt=40 + n,
+                   policy=mla.AlignPolicy(sort_for_determinism=False))
+
+
+# align_cooperative with fill blocks (blocks of FILL_SPLIT_BLOCK threads, two an SM, the last
+# ones only writing the sentinel fill) and without (a block of 1024 an SM, the counting
+# blocks filling first), each asked for by its policy: base and LoRA, free order and ordered
+# ranks, every routing kind, and routes on both sides of what the split's counting blocks
+# hold (132 x 8 x 512 on an H200).
+COOP_FILL = {"fill_blocks": mla.AlignPolicy(coop_fill_blocks_from=0),
+             "no_fill_blocks": mla.AlignPolicy(coop_fill_blocks_from=1 << 62)}
+
+
+def _coop_fill_launch(numel, buckets, rows, det, how):
+    limits = mla._launch.device_limits(0)
+    launch = mla._dispatch.choose_launch(numel, buckets, rows, limits, deterministic=det,
+                                         variant="cooperative", out_entries=numel,
+                                         policy=COOP_FILL[how])
+    most = limits.sm_count * mla._dispatch.COOP_ITEMS * mla._dispatch.FILL_SPLIT_BLOCK
+    split = how == "fill_blocks" and not launch.sorted and numel <= most
+    assert bool(launch.fill_grid) == split
+    return launch
+
+
+@pytest.mark.parametrize("how", list(COOP_FILL))
+@pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
+@pytest.mark.parametrize("E,T,K", [(7, 1, 8), (64, 255, 8), (256, 4096, 8), (257, 16384, 8),
+                                   (1024, 65536, 8), (64, 67584, 8), (64, 67585, 8),
+                                   (256, 1000, 3)])
+def test_base_cooperative_with_and_without_fill_blocks(E, T, K, det, how):
+    _coop_fill_launch(T * K, E, 1, det, how)
+    for salt in range(2):
+        _base_case(E, T, "cooperative", det, salt=90 + salt, topk=K, policy=COOP_FILL[how],
+                   scatter=salt == 1)
+
+
+@pytest.mark.parametrize("how", list(COOP_FILL))
+@pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
+@pytest.mark.parametrize("E,T,rows", [(64, 3, 4), (256, 4096, 16), (64, 16384, 16),
+                                      (128, 20000, 4), (7, 65536, 33)])
+def test_lora_cooperative_with_and_without_fill_blocks(E, T, rows, det, how):
+    _coop_fill_launch(T * 8, rows * E, rows, det, how)
+    for salt in range(2):
+        _lora_case(E, T, "cooperative", det, salt=95 + salt, topk=8, max_loras=rows,
+                   policy=COOP_FILL[how], allocate=salt == 1, disabled=1 + salt)
+
+
+# align_tiny with fill blocks (blocks past the first write the sentinel fill and the tiles'
+# -1; block 0 waits for them before its stores) and without, each asked for by its policy
+# (one block up to any fill size): base and LoRA, free order and deterministic, a thread a
+# bucket and four, just past one warp's routes, more than 32 rows, listed, disabled and
+# unprocessed rows (allocated outputs fill them), an expert map.
+BIG_SINGLE = 1 << 30
+TINY_FILL = {"tiny_fill_blocks": mla.AlignPolicy(tiny_fill_blocks_from=0,
+                                                  coop_over_single_entries=BIG_SINGLE),
+             "no_tiny_fill_blocks": mla.AlignPolicy(tiny_fill_blocks_from=1 << 62,
+                                                     coop_over_single_entries=BIG_SINGLE)}
+
+
+def _tiny_fill_launch(numel, buckets, rows, det, how):
+    launch = mla._dispatch.choose_launch(numel, buckets, rows, mla._launch.device_limits(0),
+                                         deterministic=det, out_entries=numel,
+                                         policy=TINY_FILL[how])
+    if not (launch.kind == "single" and launch.tiny):
+        pytest.skip(f"{numel} routes over {buckets} buckets are not align_tiny's")
+    assert bool(launch.fill_grid) == (how == "tiny_fill_blocks" and numel > WARP_ROUTES)
+
+
+@pytest.mark.parametrize("how", list(TINY_FILL))
+@pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
+@pytest.mark.parametrize("E,T,K", [(64, 33, 1), (1024, 16, 8), (257, 255, 8), (7, 512, 8),
+                                   (64, 4, 8)])
+def test_base_tiny_with_and_without_fill_blocks(E, T, K, det, how):
+    _tiny_fill_launch(T * K, E, 1, det, how)
+    for salt in range(2):
+        _base_case(E, T, None, det, salt=110 + salt, topk=K, policy=TINY_FILL[how],
+                   expert_map_mode=(None, "after")[salt], scatter=salt == 1)
+
+
+@pytest.mark.parametrize("how", list(TINY_FILL))
+@pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
+@pytest.mark.parametrize("E,T,rows", [(64, 5, 16), (256, 16, 16), (64, 16, 16), (256, 255, 16),
+                                      (64, 64, 4), (7, 100, 33), (128, 2, 16)])
+def test_lora_tiny_with_and_without_fill_blocks(E, T, rows, det, how):
+    _tiny_fill_launch(T * 8, rows * E, rows, det, how)
+    for salt in range(3):
+        _lora_case(E, T, None, det, salt=115 + salt, topk=8, max_loras=rows,
+                   policy=TINY_FILL[how], allocate=salt == 1, with_ids=salt != 2,
+                   disabled=salt, use_map=salt == 2)
 
 
 @pytest.mark.parametrize("mode", ["before", "after"])

@@ -92,6 +92,39 @@ def test_fused_decode_with_and_without_tiny(T, E, K, B, L):
         _check(base, lora, ids, mapping, lora_ids, enabled, B, E, L)
 
 
+@pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
+@pytest.mark.parametrize("fill", [True, False], ids=["fill_blocks", "no_fill_blocks"])
+@pytest.mark.parametrize("T,E,K,B,L", [(16, 256, 8, 16, 16), (5, 64, 8, 16, 16),
+                                       (64, 128, 8, 16, 4), (255, 64, 8, 16, 16),
+                                       (5, 64, 8, 128, 33)])
+def test_fused_tiny_pair_with_and_without_fill_blocks(T, E, K, B, L, fill, det):
+    """The fused tiny pair with its LoRA side's fill blocks (blocks 2.. of a cooperative
+    launch) and without, each asked for by its policy, also one block up to any fill size;
+    the result as two separate calls', and deterministic bit for bit."""
+    policy = mla.AlignPolicy(tiny_fill_blocks_from=0 if fill else 1 << 62,
+                             coop_over_single_entries=1 << 30)
+    P, M = mla.buffer_sizes(T * K, E, B)
+    launch = mla._dispatch.choose_pair(T * K, E, L * E, L, mla._launch.device_limits(0),
+                                       deterministic=det, out_entries=L * (P + M),
+                                       policy=policy)
+    assert launch is not None and launch.tiny and bool(launch.fill_grid) == fill
+    ids, mapping, lora_ids, enabled = _inputs(T, E, K, L, seed=5, disabled=2)
+    for with_ids in (True, False):
+        args = dict(lora_ids=cupy.asarray(lora_ids) if with_ids else None,
+                    adapter_enabled=cupy.asarray(enabled))
+        base, lora = mla.align_moe_and_lora(cupy.asarray(ids), cupy.asarray(mapping), B, E, L,
+                                            streams="fused", deterministic=det,
+                                            policy=policy, **args)
+        cupy.cuda.get_current_stream().synchronize()
+        listed = lora_ids if with_ids else None
+        if det:
+            rb, rl = _expect(ids, mapping, listed, enabled, B, E, L)
+            for a, b in zip(list(base) + list(lora), list(rb) + list(rl)):
+                np.testing.assert_array_equal(cupy.asnumpy(a), b)
+        else:
+            _check(base, lora, ids, mapping, listed, enabled, B, E, L)
+
+
 def test_fused_refuses_a_deterministic_prefill_no_pair_kernel_holds():
     """Deterministic prefill fuses into one cooperative launch (test_gpu_kernels:
     test_cooperative_pair_deterministic), except where both sides would sort their
