@@ -4,7 +4,8 @@
 #   tests      the GPU test suite (the CUDA compile tests are CI's: skipped here); about 270 s,
 #              so a call with other steps may split it: tests_kernels (tests/test_gpu_kernels.py)
 #              and tests_rest (every other test), each with its own log
-#              (PYTEST_ARGS: extra words, split on spaces; PYTEST_K: a -k expression, kept whole)
+#              (PYTEST_ARGS: extra words, split on spaces; PYTEST_K: a -k expression, kept whole);
+#              the CPU-emulator tests are CI's and are deselected here
 #   fuzz       scripts/fuzz.py long mode (FUZZ_CASES, default 10000; FUZZ_SEED)
 #   memcheck racecheck synccheck initcheck
 #              compute-sanitizer over the GPU tests (SAN_FILES and SAN_K select; racecheck over
@@ -75,7 +76,7 @@ for s in $STEPS; do
   case $s in
     tests)
       step "GPU tests"
-      timeout ${TESTS_S:-420} python3 -m pytest tests -q -p no:cacheprovider \
+      timeout ${TESTS_S:-420} python3 -m pytest tests -q -p no:cacheprovider -m "not emulator" \
         --ignore=tests/test_compile.py ${PYTEST_ARGS:-} ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 \
         | tee "$OUT/tests.log" | tail -25
       echo "tests rc=${PIPESTATUS[0]}" ;;
@@ -83,7 +84,7 @@ for s in $STEPS; do
       step "GPU tests ($s)"
       if [ "$s" = tests_kernels ]; then SEL="tests/test_gpu_kernels.py"
       else SEL="tests --ignore=tests/test_gpu_kernels.py"; fi
-      timeout ${TESTS_S:-420} python3 -m pytest $SEL -q -p no:cacheprovider \
+      timeout ${TESTS_S:-420} python3 -m pytest $SEL -q -p no:cacheprovider -m "not emulator" \
         --ignore=tests/test_compile.py ${PYTEST_ARGS:-} ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 \
         | tee "$OUT/$s.log" | tail -25
       echo "$s rc=${PIPESTATUS[0]}" ;;
