@@ -41,11 +41,11 @@ __device__ __forceinline__ void blocks_barrier(unsigned* arrivals, unsigned bloc
 // DET == COOP_ORDERED: warp w of a block owns a contiguous run of the block's chunk; per-warp
 //   counters rank its routes in order (as in the single block), and the block's place among
 //   blocks comes from a prefix over blocks of every bucket's per-block counts (p.chunk_hist
-//   [blocks, nb]: a block writes its row, and reads it back, in a few coalesced accesses; the
-//   prefix's warps read a bucket's column a lane a block), computed between two barriers,
-//   instead of from the order in which the reservation atomics land. The same prefix gives
-//   each bucket's total, so this path has no count atomics (the fence of the first barrier
-//   would wait for them to drain). Adds after the staging: warp_counts[32 * stride] ushort,
+//   [nb, blocks]: a bucket's column contiguous, so a warp reads it in a few coalesced loads),
+//   computed between two barriers, instead of from the order in which the reservation
+//   atomics land. The same prefix gives each bucket's total, so this path has no count
+//   atomics (the fence of the first barrier would wait for them to drain). Adds after the
+//   staging: warp_counts[32 * stride] ushort,
 //   stride = nb rounded up to even.
 // DET == COOP_SORTED: the free-order kernel, then a second barrier, then the blocks sort every
 //   bucket's segment in place (order_segments, order.cuh), the segment starts already in each
@@ -143,7 +143,7 @@ __device__ __forceinline__ void align_cooperatively(const Problem& p, int block,
       for (int b = 2 * k; b < min(nb, 2 * k + 2); ++b) {
         const int run = (int)((both >> (16 * (b & 1))) & 0xffffu);
         hist[b] = run;
-        p.chunk_hist[(long long)block * nb + b] = run;
+        p.chunk_hist[(long long)b * blocks + block] = run;
       }
     }
     __syncthreads();
@@ -177,20 +177,20 @@ __device__ __forceinline__ void align_cooperatively(const Problem& p, int block,
     // blocks in turn (warp w of block j: bucket w * blocks + j), and a warp's loads of 128
     // blocks' counts are in flight together.
     for (int b = warp * blocks + block; b < nb; b += blocks * nwarps) {
-      int* column = p.chunk_hist + b;  // entry j: column[j * nb]
+      int* column = p.chunk_hist + (long long)b * blocks;
       int carry = 0;
       for (int j0 = 0; j0 < blocks; j0 += 128) {
         int v[4];
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
           const int j = j0 + 32 * u + lane;
-          v[u] = j < blocks ? __ldcg(column + (long long)j * nb) : 0;
+          v[u] = j < blocks ? __ldcg(column + j) : 0;
         }
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
           const int j = j0 + 32 * u + lane;
           const int x = warp_inclusive_sum(v[u]);
-          if (j < blocks) column[(long long)j * nb] = carry + x - v[u];
+          if (j < blocks) column[j] = carry + x - v[u];
           carry += __shfl_sync(MLA_FULL_MASK, x, 31);
         }
       }
@@ -202,7 +202,7 @@ __device__ __forceinline__ void align_cooperatively(const Problem& p, int block,
 
   for (int b = threadIdx.x; b < nb; b += blockDim.x) {
     starts[b] = __ldcg(counts + b);
-    if (DET == COOP_ORDERED && hist[b + 1] != hist[b]) adj[b] = __ldcg(p.chunk_hist + (long long)block * nb + b);
+    if (DET == COOP_ORDERED && hist[b + 1] != hist[b]) adj[b] = __ldcg(p.chunk_hist + (long long)b * blocks + block);
   }
   __syncthreads();
   scan_padded_counts(p, nb, [&](int b) { return starts[b]; }, starts, warp_sums);

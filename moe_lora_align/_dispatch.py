@@ -50,13 +50,15 @@ class AlignPolicy:
     one_route_per_thread: int = 512      # up to this many routes, a thread claims one
     entries_per_thread: int = 64         # output entries a thread of one block writes, at most
     buckets_per_thread: int = 4          # buckets a thread of align_single zeroes and scans
-    # Above this many output entries the cooperative launch beats one block.
+    # Above this many output entries the cooperative launch beats one block; with fill
+    # blocks beside it (tiny_fill_blocks_from), one block keeps up to the second figure.
     coop_over_single_entries: int = 81920
+    coop_over_filled_single_entries: int = 1 << 18
     # One cluster of CLUSTER_BLOCKS blocks (sm_90+) from this many routes
     # up to this many (deterministic calls: up to cluster_max_routes_deterministic), over at
     # most this many buckets; its blocks get cluster_routes_per_thread routes a thread, at
     # least cluster_min_block threads.
-    cluster_min_routes: int = 2048
+    cluster_min_routes: int = 2304
     cluster_max_routes: int = 12288
     cluster_max_routes_deterministic: int = 12288
     cluster_max_buckets: int = 1024
@@ -70,13 +72,15 @@ class AlignPolicy:
     sort_min_buckets: int = 4096
     # Multi-block launches.
     fill_per_block: int = 8192           # sentinel entries a count block fills, about
-    # From this many output entries the cooperative launch gets fill blocks: blocks that only
-    # write the sentinel fill beside the counting blocks (two blocks of FILL_SPLIT_BLOCK
-    # threads an SM) instead of the counting blocks filling before they count.
+    # From this many output entries, and below the second figure, the cooperative launch
+    # gets fill blocks: blocks that only write the sentinel fill beside the counting blocks
+    # (two blocks of FILL_SPLIT_BLOCK threads an SM) instead of the counting blocks filling
+    # before they count.
     coop_fill_blocks_from: int = 0
+    coop_fill_blocks_below: int = 1 << 18
     # From this many output entries align_tiny (past one warp's routes) gets fill blocks:
     # a block per fill_per_block entries writes the fill while block 0 counts.
-    tiny_fill_blocks_from: int = 16384
+    tiny_fill_blocks_from: int = 32768
     chunk_matrix_budget: int = 1 << 18   # entries of the deterministic [chunks, buckets] matrix
 
 
@@ -357,14 +361,16 @@ def _cooperative(numel, num_buckets, rows, limits, out_entries, deterministic=Fa
     of per-warp counters for ordered ranks) does not fit. Deterministic: the way the policy
     prefers (``sorts_segments``), else the other where only it fits.
 
-    From ``policy.coop_fill_blocks_from`` output entries (and ``fill_blocks``), blocks of
+    From ``policy.coop_fill_blocks_from`` output entries up to ``coop_fill_blocks_below``
+    (and ``fill_blocks``), blocks of
     FILL_SPLIT_BLOCK threads, two an SM: counting blocks, then fill blocks that only write
     the sentinel fill; else (or where that does not fit) one block of BLOCK threads an SM,
     the counting blocks filling too. Either way every block is resident whatever the
     occupancy."""
     if not limits.cooperative:
         return None
-    if fill_blocks and out_entries >= policy.coop_fill_blocks_from:
+    if (fill_blocks
+            and policy.coop_fill_blocks_from <= out_entries < policy.coop_fill_blocks_below):
         split = _cooperative_blocks(numel, num_buckets, rows, limits, out_entries,
                                     deterministic, policy, FILL_SPLIT_BLOCK)
         if split is not None:
@@ -434,6 +440,13 @@ def _cluster(numel, num_buckets, rows, limits, deterministic=False,
                   smem_place=smem)
 
 
+def coop_over_single(out_entries: int, filled: bool, policy: AlignPolicy) -> bool:
+    """The cooperative launch beats one block writing ``out_entries`` output entries
+    (``filled``: that block has fill blocks beside it)."""
+    return out_entries > (policy.coop_over_filled_single_entries if filled
+                          else policy.coop_over_single_entries)
+
+
 def in_cluster_range(numel: int, num_buckets: int, policy: AlignPolicy,
                      deterministic: bool = False) -> bool:
     """The policy hands alignments of ``numel`` routes over ``num_buckets`` buckets to one
@@ -485,17 +498,18 @@ def choose_launch(numel: int, num_buckets: int, rows: int, limits: DeviceLimits,
         cluster = _cluster(numel, num_buckets, rows, limits, deterministic, policy)
         if cluster is not None:
             return cluster
-    coop = None
+    coop = single = None
     if variant is None:
         coop = _cooperative(numel, num_buckets, rows, limits, out_entries, deterministic,
                             policy)
-        if coop is not None and out_entries > policy.coop_over_single_entries:
-            return coop
     if variant in (None, "shared"):
         single = _single_block(numel, num_buckets, rows, deterministic, limits, out_entries,
                                policy=policy)
-        if single is not None:
-            return single
+    if coop is not None and coop_over_single(out_entries, single is not None and
+                                             single.fill_grid > 0, policy):
+        return coop
+    if single is not None:
+        return single
     if coop is not None:
         return coop
     fits = shared_fits(num_buckets, rows, limits)
@@ -682,12 +696,12 @@ def choose_pair(numel: int, base_buckets: int, lora_buckets: int, rows: int,
     """The fused single launch for base + LoRA, or ``None`` when either side needs more
     (or, with ``prefer_cooperative``, the LoRA side writes so much that one block for it
     loses to the cooperative pair). ``out_entries``: output entries of the LoRA side."""
-    if (prefer_cooperative and not deterministic and limits.cooperative
-            and out_entries > policy.coop_over_single_entries):
-        return None
     # The base side's block writes its own fill; the LoRA side's may have fill blocks (the
     # tiny pair only: blocks 2.. of its launch), and its block is then sized without it.
     fill = tiny_fill_blocks(numel, out_entries, limits, policy, aligning=2)
+    if (prefer_cooperative and not deterministic and limits.cooperative
+            and coop_over_single(out_entries, fill > 0, policy)):
+        return None
     base = _single_block(numel, base_buckets, 1, deterministic, limits,
                          out_entries // max(rows, 1), policy=policy, fill_blocks=False)
     lora = _single_block(numel, lora_buckets, rows, deterministic, limits,
@@ -703,6 +717,9 @@ def choose_pair(numel: int, base_buckets: int, lora_buckets: int, rows: int,
         if smem <= limits.dynamic_smem:
             return Launch("shared", "single", deterministic, block, grid=2 + fill,
                           smem_single=smem, tiny=True, fill_grid=fill)
+    if (fill and prefer_cooperative and not deterministic and limits.cooperative
+            and coop_over_single(out_entries, False, policy)):
+        return None  # the blocks below have no fill blocks
     if base.tiny or lora.tiny:  # two align_single blocks, each side sized for that kernel
         base, lora = (_single_block(numel, nb, r, deterministic, limits, e, use_tiny=False,
                                     policy=policy)

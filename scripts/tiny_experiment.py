@@ -1,7 +1,8 @@
 """align_tiny against align_single at decode sizes, in one process (GPU machine).
 
   python3 scripts/tiny_experiment.py [--json PATH] [--baseline DIR] [--variant NAME=DIR]...
-                                     [--runs NAME,...] [--cases PART|PART...]
+                                     [--runs NAME,...] [--run NAME=FIELD=INT,...[:det]]...
+                                     [--cases PART|PART...] [--turns N]
 
 Every case is timed with graph replay (moe_lora_align.bench.graph_us) under each of RUNS'
 dispatcher settings: align_tiny as dispatched ("tiny"), align_tiny with four buckets a
@@ -14,13 +15,14 @@ prefill cases), and align_tiny without fill blocks ("no tiny fill blocks", "det 
 blocks", "no coop no tiny fill blocks": block 0 fills first), and the mid band through
 align_tiny (or past its routes the cooperative launch) instead of the cluster, with and
 without fill blocks ("no cluster", "no cluster tiny fill blocks", "no fill blocks no
-cluster"). Sources of earlier commits (``--baseline``, ``--variant``) run without
-fill blocks. With ``--baseline`` also align_tiny compiled from the kernel sources in DIR (an
-earlier commit's ``kernels/``, cases it can run: a thread per bucket), and with each
-``--variant`` the kernel sources in DIR under the default dispatcher but a thread per bucket
-up to 1024 buckets (NAME=DIR:1: sources that have only that; NAME=DIR:det: with
-``deterministic=True``). Runs take turns, three times, so drift hits all; each result is
-checked against the NumPy backend first.
+cluster"); ``--run NAME=FIELD=INT,...[:det]`` adds a run under those AlignPolicy fields.
+Sources of earlier commits (``--baseline``, ``--variant``) run without fill blocks. With
+``--baseline`` also align_tiny compiled from the kernel sources in DIR (an earlier commit's
+``kernels/``, cases it can run: a thread per bucket), and with each ``--variant`` the kernel
+sources in DIR under the default dispatcher but a thread per bucket up to 1024 buckets
+(NAME=DIR:1: sources that have only that; NAME=DIR:det: with ``deterministic=True``). Runs
+take turns (``--turns``, three by default), so drift hits all; each result is checked
+against the NumPy backend first.
 """
 from __future__ import annotations
 
@@ -49,7 +51,8 @@ CASES = [  # op, T, E, K, B, L
     ("lora", 16, 64, 6, 16, 16), ("lora", 16, 128, 4, 16, 4),
     ("lora", 256, 64, 6, 16, 16), ("lora", 256, 256, 8, 16, 4),
     ("lora", 1, 256, 8, 16, 16), ("lora", 16, 256, 8, 16, 16), ("lora", 64, 256, 8, 16, 16),
-    ("lora", 256, 256, 8, 16, 16), ("pair", 16, 256, 8, 16, 16),
+    ("lora", 256, 256, 8, 16, 16), ("lora", 512, 256, 8, 16, 16), ("lora", 256, 256, 8, 64, 16),
+    ("lora", 512, 256, 8, 64, 16), ("pair", 16, 256, 8, 16, 16), ("pair", 256, 256, 8, 16, 16),
     ("pair", 1, 64, 8, 16, 4), ("pair", 64, 128, 8, 16, 4), ("pair", 256, 64, 8, 16, 16),
     # the mid band past align_tiny's routes: the cluster, or without it ("no cluster") the
     # cooperative launch
@@ -60,6 +63,9 @@ CASES = [  # op, T, E, K, B, L
     ("base", 65536, 256, 8, 64, None), ("base", 16384, 8, 8, 64, None),
     ("lora", 4096, 256, 8, 64, 16), ("lora", 16384, 256, 8, 64, 16),
     ("lora", 16384, 256, 8, 64, 4), ("lora", 4096, 64, 8, 64, 4),
+    # the cooperative launch's fill blocks between 147K and 540K output entries
+    ("base", 32768, 256, 8, 64, None), ("lora", 2048, 256, 8, 64, 16),
+    ("lora", 8192, 256, 8, 64, 4),
 ]
 
 
@@ -110,18 +116,20 @@ def make_call(case, stream, det=False, policy=None):
 # Sources of earlier commits know no fill blocks: their runs have none.
 ONE = {"tiny_one_bucket_max": 1024, "tiny_fill_blocks_from": 1 << 62,
        "coop_fill_blocks_from": 1 << 62}
+NO_COOP = {"coop_over_single_entries": 1 << 30,
+           "coop_over_filled_single_entries": 1 << 30}
 RUNS = [  # name, AlignPolicy fields, kernel sources (None: the package's), one bucket a
           # thread only, deterministic
     ("tiny", {}, None, False, False), ("tiny4", {"tiny_one_bucket_max": 0}, None, False, False),
     ("single", {"use_tiny": False}, None, False, False),
-    ("no coop", {"coop_over_single_entries": 1 << 30}, None, False, False),
+    ("no coop", NO_COOP, None, False, False),
     ("det", {}, None, False, True), ("det single", {"use_tiny": False}, None, False, True),
     ("no fill blocks", {"coop_fill_blocks_from": 1 << 62}, None, False, False),
     ("det no fill blocks", {"coop_fill_blocks_from": 1 << 62}, None, False, True),
     ("no tiny fill blocks", {"tiny_fill_blocks_from": 1 << 62}, None, False, False),
     ("det no tiny fill blocks", {"tiny_fill_blocks_from": 1 << 62}, None, False, True),
-    ("no coop no tiny fill blocks", {"coop_over_single_entries": 1 << 30,
-                                     "tiny_fill_blocks_from": 1 << 62}, None, False, False),
+    ("no coop no tiny fill blocks", {**NO_COOP, "tiny_fill_blocks_from": 1 << 62}, None, False,
+     False),
     ("no cluster", {"cluster_min_routes": 1 << 30}, None, False, False),
     ("no cluster tiny fill blocks", {"cluster_min_routes": 1 << 30, "tiny_fill_blocks_from": 0},
      None, False, False),
@@ -152,6 +160,9 @@ def main():
     ap.add_argument("--baseline", type=Path, help="kernel sources of an earlier commit")
     ap.add_argument("--variant", action="append", default=[], help="NAME=DIR[:1][:det]")
     ap.add_argument("--runs", help="comma-separated names of RUNS to keep (default: all)")
+    ap.add_argument("--run", action="append", default=[],
+                    help="NAME=FIELD=INT,...[:det]: one more run under those AlignPolicy fields")
+    ap.add_argument("--turns", type=int, default=3, help="turns of every run per case")
     ap.add_argument("--cases", default="",
                     help="'|'-separated parts of the printed case tuples to keep (default: all)")
     args = ap.parse_args()
@@ -163,10 +174,15 @@ def main():
         name, spec = v.split("=", 1)
         directory, *flags = spec.split(":")
         runs.append((name, ONE, Path(directory).resolve(), "1" in flags, "det" in flags))
+    for spec in args.run:
+        name, fields = spec.split("=", 1)
+        fields, _, det = fields.partition(":")
+        settings = {k: int(v) for k, v in (f.split("=") for f in fields.split(","))}
+        runs.append((name, settings, None, False, det == "det"))
     if args.baseline:
         runs.append(("base tiny", ONE, args.baseline.resolve(), True, False))
     print(f"{'case':40s} " + " ".join(f"{n:>10s}" for n, _, _, _, _ in runs)
-          + "   (graph us, median of 3 in turn)")
+          + f"   (graph us, median of {args.turns} in turn)")
     by_name = {r[0]: r for r in runs}
     wanted = [part for part in args.cases.split("|") if part]
     for case in CASES:
@@ -181,7 +197,7 @@ def main():
             use_kernels(directory)
             return graph_us(make_call(case, stream, det, mla.AlignPolicy(**settings)), stream)
 
-        med, times = medians_in_turns(list(by_name), time_run)
+        med, times = medians_in_turns(list(by_name), time_run, args.turns)
         use_kernels(None)
         report[str(case)] = {"median_us": med, "all_us": times}
         print(f"{case!s:40s} " + " ".join(f"{med[n]:10.2f}" if n in med else f"{'-':>10s}"

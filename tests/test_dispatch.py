@@ -14,25 +14,27 @@ NO_CLUSTERS = d.DeviceLimits(sm_count=132, smem_optin=232448, cooperative=True)
 # Deterministic calls through the kernels' own ordered ranks (no align_order after them).
 ORDERED = dataclasses.replace(d.DEFAULT_POLICY, sort_for_determinism=False)
 SORTED = dataclasses.replace(d.DEFAULT_POLICY, sort_min_buckets=0)
+CMIN = d.DEFAULT_POLICY.cluster_min_routes
 
 
 @pytest.mark.parametrize("numel,buckets,rows,limits,det,variant,expect", [
     # decode sizes: one block, one launch
     (8, 64, 1, H200, False, None, ("shared", "single", 1)),
-    (2047, 256, 1, H200, False, None, ("shared", "single", 1)),
+    (CMIN - 1, 256, 1, H200, False, None, ("shared", "single", 1)),
     (2048, 16 * 256, 16, H200, False, None, ("shared", "single", 1)),
-    # 2K to 12K routes over at most 1024 buckets: one cluster, where the device has them
-    (2048, 256, 1, H200, False, None, ("cluster", "cluster", 1)),
+    # cluster_min_routes to 12K routes over at most 1024 buckets: one cluster, where the
+    # device has them
+    (CMIN, 256, 1, H200, False, None, ("cluster", "cluster", 1)),
     (12288, 512, 1, H200, False, None, ("cluster", "cluster", 1)),
     (4096, 4 * 256, 4, H200, False, None, ("cluster", "cluster", 1)),
-    (2048, 256, 1, NO_CLUSTERS, False, None, ("shared", "single", 1)),
+    (CMIN, 256, 1, NO_CLUSTERS, False, None, ("shared", "single", 1)),
     (4097, 256, 1, NO_CLUSTERS, False, None, ("cooperative", "cooperative", 1)),
     (4097, 256, 1, H200, True, None, ("cluster", "cluster", 1)),
     (12289, 256, 1, H200, True, None, ("cooperative", "cooperative", 1)),
     (4096, 8192, 1, H200, False, None, ("shared", "single", 1)),
-    (2047, 256, 1, H200, True, None, ("shared", "single", 1)),
-    (2048, 256, 1, H200, True, None, ("cluster", "cluster", 1)),
-    (2048, 256, 1, NO_CLUSTERS, True, None, ("shared", "single", 1)),
+    (CMIN - 1, 256, 1, H200, True, None, ("shared", "single", 1)),
+    (CMIN, 256, 1, H200, True, None, ("cluster", "cluster", 1)),
+    (CMIN, 256, 1, NO_CLUSTERS, True, None, ("shared", "single", 1)),
     # prefill sizes: one cooperative launch where it can run, else count + place
     (12289, 256, 1, H200, False, None, ("cooperative", "cooperative", 1)),
     (65536 * 8, 256, 1, H200, False, None, ("cooperative", "cooperative", 1)),
@@ -157,14 +159,19 @@ def test_deterministic_calls_sort_after_the_fast_kernels():
 
 
 NO_FILL_BLOCKS = d.AlignPolicy(coop_fill_blocks_from=1 << 62)
+ALL_FILL_BLOCKS = d.AlignPolicy(coop_fill_blocks_below=1 << 62)
 
 
 def test_cooperative_fill_spreads_over_the_sms():
     # LoRA T=4096, 16 slots, E=256, B=64: 16 rows of sentinels to write
     entries = 16 * (48896 + 764)
     fill = -(-entries // d.DEFAULT_POLICY.fill_per_block)
-    # Fill blocks (the default): 64 counting blocks of 512 routes, then the fill's blocks.
-    launch = d.choose_launch(4096 * 8, 16 * 256, 16, H200, out_entries=entries)
+    # Fill blocks (by default only below coop_fill_blocks_below entries): 64 counting blocks
+    # of 512 routes, then the fill's blocks.
+    assert entries >= d.DEFAULT_POLICY.coop_fill_blocks_below
+    assert not d.choose_launch(4096 * 8, 16 * 256, 16, H200, out_entries=entries).fill_grid
+    launch = d.choose_launch(4096 * 8, 16 * 256, 16, H200, out_entries=entries,
+                             policy=ALL_FILL_BLOCKS)
     assert launch.kind == "cooperative" and launch.block == d.FILL_SPLIT_BLOCK
     assert launch.chunk == 512 and launch.fill_grid == fill
     assert launch.grid == 64 + fill
@@ -174,36 +181,43 @@ def test_cooperative_fill_spreads_over_the_sms():
     assert launch.kind == "cooperative" and launch.chunk == 1024 and not launch.fill_grid
     assert launch.grid == fill > 32
     # T=65536: 128 chunks of 4096 routes (8 a thread of 512), then a fill block an SM
-    for policy, grid in ((d.DEFAULT_POLICY, 128 + H200.sm_count), (NO_FILL_BLOCKS, H200.sm_count)):
+    for policy, grid in ((ALL_FILL_BLOCKS, 128 + H200.sm_count),
+                         (d.DEFAULT_POLICY, H200.sm_count), (NO_FILL_BLOCKS, H200.sm_count)):
         assert d.choose_launch(65536 * 8, 256, 1, H200, out_entries=10**9, policy=policy,
                                variant="cooperative").grid == grid
 
 
 def test_fill_blocks_where_they_apply():
-    # From coop_fill_blocks_from output entries on
-    at = d.AlignPolicy(coop_fill_blocks_from=100000)
-    for entries, split in ((99999, False), (100000, True)):
+    # From coop_fill_blocks_from output entries on, below coop_fill_blocks_below
+    at = d.AlignPolicy(coop_fill_blocks_from=100000, coop_fill_blocks_below=200000)
+    for entries, split in ((99999, False), (100000, True), (199999, True), (200000, False)):
         launch = d.choose_launch(16384 * 8, 256, 1, H200, out_entries=entries, policy=at)
         assert launch.kind == "cooperative" and bool(launch.fill_grid) == split
         assert launch.block == (d.FILL_SPLIT_BLOCK if split else d.BLOCK)
+    below = d.DEFAULT_POLICY.coop_fill_blocks_below
+    for entries, split in ((below - 1, True), (below, False)):
+        launch = d.choose_launch(16384 * 8, 256, 1, H200, out_entries=entries)
+        assert bool(launch.fill_grid) == split
+    at = ALL_FILL_BLOCKS
     # Not where the segment sort runs (it holds a segment in a block of BLOCK threads), nor
     # in the cooperative pair, nor where two blocks' shared memory does not fit one SM
     sort = d.choose_launch(16384 * 8, 16 * 256, 16, H200, deterministic=True,
-                           out_entries=10**6)
+                           out_entries=10**6, policy=at)
     assert sort.kind == "cooperative" and sort.sorted and not sort.fill_grid
-    ordered = d.choose_launch(16384 * 8, 256, 1, H200, deterministic=True, out_entries=10**6)
+    ordered = d.choose_launch(16384 * 8, 256, 1, H200, deterministic=True, out_entries=10**6,
+                              policy=at)
     assert ordered.kind == "cooperative" and not ordered.sorted and ordered.fill_grid
     pair = d.choose_cooperative_pair(16384 * 8, 256, 16 * 256, 16, H200,
-                                     base_entries=10**5, lora_entries=10**6)
+                                     base_entries=10**5, lora_entries=10**6, policy=at)
     assert not pair.base.fill_grid and not pair.lora.fill_grid
-    big = d.choose_launch(16384 * 8, 16 * 1024, 16, H200, out_entries=10**6)
+    big = d.choose_launch(16384 * 8, 16 * 1024, 16, H200, out_entries=10**6, policy=at)
     assert big.kind == "cooperative" and not big.fill_grid and big.block == d.BLOCK
     assert not d.two_blocks_an_sm(d.FILL_SPLIT_BLOCK,
                                   d.smem_cooperative(16 * 1024, 16, 1024, False), H200)
     # Routes past what the counting blocks of half the threads hold: one block an SM
     most = H200.sm_count * d.COOP_ITEMS * d.FILL_SPLIT_BLOCK
     for numel, split in ((most, True), (most + 1, False)):
-        launch = d.choose_launch(numel, 256, 1, H200, out_entries=10**6)
+        launch = d.choose_launch(numel, 256, 1, H200, out_entries=10**6, policy=at)
         assert launch.kind == "cooperative" and bool(launch.fill_grid) == split
 
 
@@ -451,22 +465,41 @@ def test_cooperative_pair_declines_what_it_cannot_hold():
 
 
 def test_decode_with_a_large_fill_prefers_the_cooperative_launch():
-    # LoRA T=256 E=256 B=16, 16 slots: 100K output entries through one SM lose to the grid
+    # LoRA T=256 E=256 B=16, 16 slots: 100K output entries through one SM lose to the grid,
+    # unless fill blocks write them beside it (up to coop_over_filled_single_entries)
     entries = 16 * (5888 + 368)
-    assert d.choose_launch(2048, 16 * 256, 16, H200, out_entries=entries).kind == "cooperative"
-    assert d.choose_launch(2048, 16 * 256, 16, NO_COOP, out_entries=entries).kind == "single"
-    assert d.choose_launch(2048, 16 * 256, 16, H200, out_entries=entries,
+    no_tiny_fill = d.AlignPolicy(tiny_fill_blocks_from=1 << 62)
+    filled = d.choose_launch(2048, 16 * 256, 16, H200, out_entries=entries)
+    assert filled.kind == "single" and filled.tiny and filled.fill_grid
+    for det in (False, True):
+        # (deterministic: align_tiny's per-warp counters of 4096 buckets do not fit)
+        assert d.choose_launch(2048, 16 * 256, 16, H200, out_entries=entries, deterministic=det,
+                               policy=d.DEFAULT_POLICY if det else no_tiny_fill
+                               ).kind == "cooperative"
+        assert d.choose_launch(2048, 16 * 256, 16, NO_COOP, out_entries=entries,
+                               deterministic=det).kind == "single"
+    assert d.choose_launch(2048, 16 * 256, 16, H200, out_entries=entries, policy=no_tiny_fill,
                            variant="shared").kind == "single"
-    assert d.choose_launch(2048, 16 * 256, 16, H200, out_entries=entries,
-                           deterministic=True).kind == "cooperative"
-    assert d.choose_launch(2048, 16 * 256, 16, NO_COOP, out_entries=entries,
-                           deterministic=True).kind == "single"
-    # T=16: 67K entries, one block still wins
-    assert d.choose_launch(128, 16 * 256, 16, H200, out_entries=16 * (3968 + 248)).kind == \
-        "single"
+    most = d.DEFAULT_POLICY.coop_over_filled_single_entries
+    assert d.choose_launch(2048, 16 * 256, 16, H200, out_entries=most).fill_grid
+    assert d.choose_launch(2048, 16 * 256, 16, H200,
+                           out_entries=most + 1).kind == "cooperative"
+    # T=16: 67K entries, one block still wins, fill blocks or not
+    for policy in (d.DEFAULT_POLICY, no_tiny_fill):
+        assert d.choose_launch(128, 16 * 256, 16, H200, out_entries=16 * (3968 + 248),
+                               policy=policy).kind == "single"
+    # The pair likewise: the tiny pair with fill blocks, else the cooperative pair
+    pair = d.choose_pair(2048, 256, 16 * 256, 16, H200, out_entries=entries,
+                         prefer_cooperative=True)
+    assert pair.tiny and pair.fill_grid
+    for out, policy in ((entries, no_tiny_fill), (most + 1, d.DEFAULT_POLICY)):
+        assert d.choose_pair(2048, 256, 16 * 256, 16, H200, out_entries=out, policy=policy,
+                             prefer_cooperative=True) is None
+        assert d.choose_pair(2048, 256, 16 * 256, 16, H200, out_entries=out,
+                             policy=policy) is not None
+    # Fill blocks computed, but no tiny pair (align_single's blocks have none): cooperative
     assert d.choose_pair(2048, 256, 16 * 256, 16, H200, out_entries=entries,
-                         prefer_cooperative=True) is None
-    assert d.choose_pair(2048, 256, 16 * 256, 16, H200, out_entries=entries) is not None
+                         policy=d.AlignPolicy(use_tiny=False), prefer_cooperative=True) is None
 
 
 # ---- every decision passes the launcher's guard, on both sides of every limit ---------------
@@ -557,7 +590,8 @@ def test_tiny_fill_blocks():
     assert at.tiny and at.fill_grid
     # never more blocks than SMs
     most = d.choose_launch(4096, 16 * 256, 16, H200, out_entries=10**8,
-                           policy=d.AlignPolicy(coop_over_single_entries=10**9))
+                           policy=d.AlignPolicy(coop_over_single_entries=10**9,
+                                                coop_over_filled_single_entries=10**9))
     assert most.tiny and most.grid == H200.sm_count
     pair = d.choose_pair(128, 256, 16 * 256, 16, H200, out_entries=entries)
     assert pair.tiny and pair.fill_grid == launch.fill_grid and pair.grid == 2 + pair.fill_grid
@@ -593,7 +627,7 @@ def test_guard_refuses_a_cooperative_grid_that_cannot_be_resident():
     with pytest.raises(d.LaunchRefused, match="resident"):
         d.check_launch(dataclasses.replace(launch, grid=133), 8192, [(256, 1)], H200)
     # Fill blocks: two blocks of half the threads an SM, never more
-    split = d.choose_launch(8192, 256, 1, H200, variant="cooperative", out_entries=10**6)
+    split = d.choose_launch(8192, 256, 1, H200, variant="cooperative", out_entries=10**5)
     assert split.fill_grid and split.grid <= 2 * H200.sm_count
     d.check_launch(dataclasses.replace(split, grid=2 * H200.sm_count), 8192, [(256, 1)], H200)
     with pytest.raises(d.LaunchRefused, match="resident"):

@@ -453,6 +453,10 @@ def test_racecheck_names_a_missing_barrier(tmp_path):
         emulator.run(broken, Case(16, 8, 256, 16).job(True), seed=0)
 
 
+# Tokens of K=8 routes from which the default policy runs the cluster (its pair included).
+CLUSTER_T = -(-_dispatch.DEFAULT_POLICY.cluster_min_routes // 8)
+
+
 def _every_kernel(emu):
     start = len(emu.launched)
     for T, E, rows, variant, policy in [(40, 64, None, None, WITHOUT_TINY),
@@ -468,7 +472,7 @@ def _every_kernel(emu):
                 _run(emu, Case(T, 8, E, 16, rows=rows, seed=T), det, variant, policy,
                      seeds=(0,))
     for T, E, rows, policy in [(16, 64, 4, _dispatch.DEFAULT_POLICY), (16, 64, 4, WITHOUT_TINY),
-                               (256, 64, 4, _dispatch.DEFAULT_POLICY),
+                               (CLUSTER_T, 64, 4, _dispatch.DEFAULT_POLICY),
                                (2048, 64, 4, _dispatch.DEFAULT_POLICY),
                                (2048, 256, 16, _dispatch.DEFAULT_POLICY)]:
         for det in (False, True):
@@ -490,7 +494,8 @@ def _every_kernel(emu):
 # last ones only filling) and without, align_tiny and its pair with fill blocks (blocks past
 # the aligning ones fill; block 0 waits for their arrivals) and without; routes on both sides
 # of what the split's counting blocks hold on the emulated device (4 x 8 x 512).
-COOP_FILL = {"fill_blocks": AlignPolicy(coop_fill_blocks_from=0),
+COOP_FILL = {"fill_blocks": AlignPolicy(coop_fill_blocks_from=0,
+                                        coop_fill_blocks_below=1 << 62),
              "no_fill_blocks": AlignPolicy(coop_fill_blocks_from=1 << 62)}
 SPLIT_MOST = emulator.LIMITS.sm_count * _dispatch.COOP_ITEMS * _dispatch.FILL_SPLIT_BLOCK
 
@@ -528,9 +533,11 @@ def test_lora_cooperative_with_and_without_fill_blocks(emu, E, T, rows, det, how
 
 BIG_SINGLE = 1 << 30
 TINY_FILL = {"tiny_fill_blocks": AlignPolicy(tiny_fill_blocks_from=0,
-                                             coop_over_single_entries=BIG_SINGLE),
+                                             coop_over_single_entries=BIG_SINGLE,
+                                             coop_over_filled_single_entries=BIG_SINGLE),
              "no_tiny_fill_blocks": AlignPolicy(tiny_fill_blocks_from=1 << 62,
-                                                coop_over_single_entries=BIG_SINGLE)}
+                                                coop_over_single_entries=BIG_SINGLE,
+                                                coop_over_filled_single_entries=BIG_SINGLE)}
 
 
 def _tiny_fill_launch(numel, buckets, rows, det, how):
@@ -570,7 +577,8 @@ def test_lora_tiny_with_and_without_fill_blocks(emu, E, T, rows, det, how):
                                      (255, 64, 16, 16), (5, 64, 128, 33)])
 def test_fused_tiny_pair_with_and_without_fill_blocks(emu, T, E, B, L, fill, det):
     policy = AlignPolicy(tiny_fill_blocks_from=0 if fill else 1 << 62,
-                         coop_over_single_entries=BIG_SINGLE)
+                         coop_over_single_entries=BIG_SINGLE,
+                         coop_over_filled_single_entries=BIG_SINGLE)
     base = Case(T, 8, E, B, seed=T)
     lora = Case(T, 8, E, B, rows=L, seed=T, disabled=2)
     lora.ids[:] = base.ids

@@ -66,9 +66,10 @@ def test_every_run_dispatches_every_case(experiment, monkeypatch):
     assert checked > 100
 
 
-def test_the_next_rounds_ab_lines_name_runs_and_cases_that_exist(experiment):
+def test_the_next_rounds_ab_lines_name_runs_and_cases_that_exist(experiment, monkeypatch):
     """scripts/ab_runs.txt (gpu_round.sh's `ab` step): each line names runs tiny_experiment
-    has, variants it can parse, and case filters that keep at least one case."""
+    has, variants it can parse, case filters that keep at least one case, and runs of its
+    own (``--run``) whose policies dispatch every case they keep."""
     path = SCRIPTS / "ab_runs.txt"
     if not path.exists():
         pytest.skip("no A/B runs are listed for the next round")
@@ -79,15 +80,25 @@ def test_the_next_rounds_ab_lines_name_runs_and_cases_that_exist(experiment):
         args = shlex.split(line)
         opts = dict(zip(args[::2], args[1::2]))
         assert len(args) % 2 == 0 and set(args[::2]) <= {"--runs", "--cases", "--variant",
-                                                          "--baseline"}, line
+                                                          "--baseline", "--run", "--turns"}, line
         assert set(opts["--runs"].split(",")) <= names, line
+        assert int(opts.get("--turns", 3)) >= 1, line
+        parts = [p for p in opts.get("--cases", "").split("|") if p]
+        for part in parts:
+            assert any(part in str(case) for case in experiment.CASES), (line, part)
+        kept = [c for c in experiment.CASES if not parts or any(p in str(c) for p in parts)]
         for i, word in enumerate(args):
             if word == "--variant":
                 name, spec = args[i + 1].split("=", 1)
                 assert name and set(spec.split(":")[1:]) <= {"1", "det"}, line
-        parts = [p for p in opts.get("--cases", "").split("|") if p]
-        for part in parts:
-            assert any(part in str(case) for case in experiment.CASES), (line, part)
+            if word == "--run":  # as tiny_experiment parses it
+                name, fields = args[i + 1].split("=", 1)
+                fields, _, det = fields.partition(":")
+                assert name and det in ("", "det"), line
+                policy = mla.AlignPolicy(**{k: int(v) for k, v in
+                                            (f.split("=") for f in fields.split(","))})
+                for case in kept:
+                    _dispatch_case(case, policy, det == "det", monkeypatch)
 
 
 @pytest.mark.emulator

@@ -319,7 +319,8 @@ def test_ordered_cooperative_totals_leave_the_scratch_clean():
 # blocks filling first), each asked for by its policy: base and LoRA, free order and ordered
 # ranks, every routing kind, and routes on both sides of what the split's counting blocks
 # hold (132 x 8 x 512 on an H200).
-COOP_FILL = {"fill_blocks": mla.AlignPolicy(coop_fill_blocks_from=0),
+COOP_FILL = {"fill_blocks": mla.AlignPolicy(coop_fill_blocks_from=0,
+                                            coop_fill_blocks_below=1 << 62),
              "no_fill_blocks": mla.AlignPolicy(coop_fill_blocks_from=1 << 62)}
 
 
@@ -364,9 +365,11 @@ def test_lora_cooperative_with_and_without_fill_blocks(E, T, rows, det, how):
 # unprocessed rows (allocated outputs fill them), an expert map.
 BIG_SINGLE = 1 << 30
 TINY_FILL = {"tiny_fill_blocks": mla.AlignPolicy(tiny_fill_blocks_from=0,
-                                                  coop_over_single_entries=BIG_SINGLE),
+                                                  coop_over_single_entries=BIG_SINGLE,
+                                                  coop_over_filled_single_entries=BIG_SINGLE),
              "no_tiny_fill_blocks": mla.AlignPolicy(tiny_fill_blocks_from=1 << 62,
-                                                     coop_over_single_entries=BIG_SINGLE)}
+                                                     coop_over_single_entries=BIG_SINGLE,
+                                                     coop_over_filled_single_entries=BIG_SINGLE)}
 
 
 def _tiny_fill_launch(numel, buckets, rows, det, how):
