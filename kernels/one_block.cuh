@@ -102,8 +102,8 @@ __global__ void align_pair(const Problem first, const Problem second) {
 // ~1000 cycles in align_single), so this version has no divisions in its loops, a two-barrier
 // scan whose result stays in each bucket's thread, tiles written by their bucket's thread
 // instead of a binary search per tile, and every fill issued before counting. Large fills
-// (LoRA with many slots) go to fill blocks instead: the launch's blocks past the first write
-// them, and block 0 waits for their arrivals only before its own stores.
+// (LoRA with many slots) go to fill blocks instead (align_tiny_filled): the launch's blocks
+// past the first write them, and block 0 waits for their arrivals only before its stores.
 // DET: ranks in flat-index order. Warp w owns routes [w * items * 32, (w + 1) * items * 32),
 // items = 1, 2 or 4 routes a lane (the fewest that cover the routes); ranks within the warp
 // come in lane order (claim_in_lane_order into the warp's own counters), and each bucket's
@@ -123,7 +123,9 @@ __device__ __forceinline__ bool base_problem(const Problem& p) {
 // PER: buckets a thread, a compile-time count so the one-bucket version carries no loop or
 // guard for the others. BASE: a base_problem (one row, always processed), compiled apart so
 // the row arithmetic and the row flags fold away, as in align_warp's base instance.
-template <typename IdT, int PER, bool DET, bool BASE>
+// FILLED: the kernels whose launches may have fill blocks (align_tiny_filled and its pair);
+// the others carry none of their code.
+template <typename IdT, int PER, bool DET, bool BASE, bool FILLED>
 __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
   __shared__ int warp_sums[32];
   const int nb = num_buckets(p), tid = threadIdx.x;
@@ -162,7 +164,8 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
   const bool vec = ((p.sorted_pitch & 3) == 0) &&
                    ((reinterpret_cast<unsigned long long>(p.sorted_ids) & 15) == 0);
   const int units = vec ? (p.padded_len >> 2) : 0;
-  const bool fills = p.fill_blocks == 0;  // else the launch's other blocks write the fill
+  // else the launch's other blocks write the fill
+  const bool fills = !FILLED || p.fill_blocks == 0;
   const auto fill_row = [&](int r, int from, int step) {
     if (!BASE && !row_written(p, processed, r)) return;
     int* row = p.sorted_ids + (long long)r * p.sorted_pitch;
@@ -362,29 +365,44 @@ __device__ __forceinline__ void align_warp(const Problem& p) {
 }
 
 // The dispatcher keeps nb <= TINY_BUCKETS * blockDim.
-template <typename IdT, bool DET>
+template <typename IdT, bool DET, bool FILLED>
 __device__ __forceinline__ void align_tiny_block(const Problem& p) {
-  const bool one_warp = p.numel <= WARP_ROUTES && p.fill_blocks == 0;  // it fills itself
+  // (the one-warp path fills itself: the dispatcher gives it no fill blocks)
+  const bool one_warp = p.numel <= WARP_ROUTES && (!FILLED || p.fill_blocks == 0);
   if (one_warp && base_problem(p)) align_warp<IdT, true>(p);
   else if (one_warp && p.rows <= 32) align_warp<IdT, false>(p);
-  else if (num_buckets(p) > (int)blockDim.x) align_tiny_buckets<IdT, TINY_BUCKETS, DET, false>(p);
-  else if (base_problem(p)) align_tiny_buckets<IdT, 1, DET, true>(p);
-  else align_tiny_buckets<IdT, 1, DET, false>(p);
+  else if (num_buckets(p) > (int)blockDim.x)
+    align_tiny_buckets<IdT, TINY_BUCKETS, DET, false, FILLED>(p);
+  else if (base_problem(p)) align_tiny_buckets<IdT, 1, DET, true, FILLED>(p);
+  else align_tiny_buckets<IdT, 1, DET, false, FILLED>(p);
 }
 
 // (1024, 1): with (1024) alone NVRTC 13.0 gave align_tiny<short> 32 registers on sm_80, and spills.
-// Blocks past the first are fill blocks (p.fill_blocks of them, large LoRA fills; the launch
-// is then cooperative): block 0 waits for their arrivals at p.ticket before its stores.
 template <typename IdT, bool DET>
 __global__ void __launch_bounds__(1024, 1) align_tiny(const Problem p) {
-  if (blockIdx.x > 0) fill_and_arrive(p, blockIdx.x - 1, true, p.ticket);
-  else align_tiny_block<IdT, DET>(p);
+  align_tiny_block<IdT, DET, false>(p);
 }
 
-// Base and LoRA alignment in one launch of two tiny blocks (block 0: `first`), then the
-// fill blocks of `second` (second.fill_blocks of them; the launch is then cooperative).
+// align_tiny whose blocks past the first are fill blocks (p.fill_blocks of them, large LoRA
+// fills; the launch is cooperative): block 0 waits for their arrivals at p.ticket before its
+// stores. A kernel apart, so that decode calls' align_tiny has none of this.
+template <typename IdT, bool DET>
+__global__ void __launch_bounds__(1024, 1) align_tiny_filled(const Problem p) {
+  if (blockIdx.x > 0) fill_and_arrive(p, blockIdx.x - 1, true, p.ticket);
+  else align_tiny_block<IdT, DET, true>(p);
+}
+
+// Base and LoRA alignment in one launch of two tiny blocks (block 0: `first`).
 template <typename IdT, bool DET>
 __global__ void __launch_bounds__(1024, 1) align_tiny_pair(const Problem first, const Problem second) {
+  align_tiny_block<IdT, DET, false>(blockIdx.x == 0 ? first : second);
+}
+
+// The same, then the fill blocks of `second` (second.fill_blocks of them; the launch is
+// cooperative).
+template <typename IdT, bool DET>
+__global__ void __launch_bounds__(1024, 1) align_tiny_pair_filled(const Problem first,
+                                                                  const Problem second) {
   if (blockIdx.x >= 2) fill_and_arrive(second, blockIdx.x - 2, true, second.ticket);
-  else align_tiny_block<IdT, DET>(blockIdx.x == 0 ? first : second);
+  else align_tiny_block<IdT, DET, true>(blockIdx.x == 0 ? first : second);
 }

@@ -761,6 +761,8 @@ def launch_kernels(launch, fused: bool = False) -> list:
     if launch.kind == "single":
         name = ("tiny" if launch.tiny else "single") if not fused else (
             "tiny_pair" if launch.tiny else "pair")
+        if launch.tiny and launch.fill_grid:
+            name += "_filled"  # a kernel apart; align_tiny and align_tiny_pair have none
         # align_tiny with fill blocks: cooperative, so that block 0's wait for them returns
         kernels = [((name, det), launch.grid, launch.block, launch.smem_single,
                     launch.fill_grid > 0)]
@@ -804,6 +806,11 @@ def _layout_bytes(kind: str, launch, numel: int, sides) -> int:
                       starts_in_smem=launch.starts_in_smem, stage_chunk=staged)
 
 
+# Kernel keys of align_tiny and its pair (``_kernels.kernel_names``); the ``_filled`` ones
+# are the instances whose launches have fill blocks.
+TINY_KERNELS = ("tiny", "tiny_pair", "tiny_filled", "tiny_pair_filled")
+
+
 def kernel_demands(launch, numel: int, sides) -> list:
     """``(kernel, grid, block, dynamic bytes given, dynamic bytes its layout needs)`` of every
     kernel that ``launch`` issues; ``sides`` lists ``(num_buckets, rows)`` of each alignment
@@ -832,12 +839,12 @@ def check_launch(launch, numel: int, sides, limits: DeviceLimits) -> None:
                 2 if two_blocks_an_sm(block, given, limits) else 1):
             why = f"{grid} blocks of {block} threads cannot all be resident on {limits.sm_count} SMs"
         elif kernel in ("single", "pair") and launch.fill_grid:
-            why = (f"{launch.fill_grid} fill blocks (only align_tiny, its pair and "
+            why = (f"{launch.fill_grid} fill blocks (only align_tiny_filled, its pair and "
                    "align_cooperative have them)")
-        elif kernel in ("tiny", "tiny_pair") and grid != len(sides) + launch.fill_grid:
+        elif kernel in TINY_KERNELS and grid != len(sides) + launch.fill_grid:
             why = (f"a grid of {grid} blocks, not {len(sides)} and {launch.fill_grid} fill "
                    "blocks")
-        elif kernel in ("tiny", "tiny_pair") and launch.fill_grid and grid > limits.sm_count:
+        elif kernel in TINY_KERNELS and launch.fill_grid and grid > limits.sm_count:
             why = f"{grid} blocks cannot all be resident on {limits.sm_count} SMs"
         elif kernel == "cooperative" and launch.chunk > COOP_ITEMS * block:
             why = f"chunks of {launch.chunk} routes, more than {COOP_ITEMS} a thread of {block}"

@@ -113,6 +113,8 @@ def kernel_names(dtype) -> dict:
         names[("pair", det)] = f"align_pair<{t}, {d}>"
         names[("tiny", det)] = f"align_tiny<{t}, {d}>"
         names[("tiny_pair", det)] = f"align_tiny_pair<{t}, {d}>"
+        names[("tiny_filled", det)] = f"align_tiny_filled<{t}, {d}>"
+        names[("tiny_pair_filled", det)] = f"align_tiny_pair_filled<{t}, {d}>"
         names[("cluster", det)] = f"align_cluster<{t}, {d}>"
         names[("cluster_pair", det)] = f"align_cluster_pair<{t}, {d}>"
     for mode in (0, 1, 2):  # MODE_*; COOP_FREE, COOP_ORDERED, COOP_SORTED
@@ -125,6 +127,15 @@ def kernel_names(dtype) -> dict:
     return names
 
 
+def defined_kernel_names(dtype) -> dict:
+    """``kernel_names(dtype)`` less the kernels the current build's sources do not define: an
+    experiment's earlier sources (``KernelBuild.source_dir``) may predate some, and a plan
+    loads every kernel there is."""
+    text = source()
+    return {key: name for key, name in kernel_names(dtype).items()
+            if re.search(r"\b%s\s*\(" % name.split("<")[0], text)}
+
+
 class KernelSet:
     """The kernels of one dtype on one device. Each compiles as its own NVRTC program (or comes
     from CuPy's disk cache) and loads on first use, so a first call waits only for the
@@ -132,7 +143,7 @@ class KernelSet:
     module of all of them (tests/test_compile.py checks)."""
 
     def __init__(self, dtype, device_id: int, smem_optin: int):
-        self.names = kernel_names(dtype)
+        self.names = defined_kernel_names(dtype)
         self.device_id = device_id
         self.smem_optin = smem_optin
         self.kernels: dict = {}  # key -> loaded RawKernel

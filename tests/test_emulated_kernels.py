@@ -466,7 +466,8 @@ def _every_kernel(emu):
                                         (2048, 256, None, "cooperative", SORTED),
                                         (1024, 64, None, "shared", ORDERED),
                                         (1024, 64, None, "global", ORDERED),
-                                        (1024, 64, None, "shared", SORTED)]:
+                                        (1024, 64, None, "shared", SORTED),
+                                        (40, 64, 4, None, TINY_FILL["tiny_fill_blocks"])]:
         for det in (False, True):
             if not _refused(variant, det, T * 8, E, 1, policy):
                 _run(emu, Case(T, 8, E, 16, rows=rows, seed=T), det, variant, policy,
@@ -474,7 +475,8 @@ def _every_kernel(emu):
     for T, E, rows, policy in [(16, 64, 4, _dispatch.DEFAULT_POLICY), (16, 64, 4, WITHOUT_TINY),
                                (CLUSTER_T, 64, 4, _dispatch.DEFAULT_POLICY),
                                (2048, 64, 4, _dispatch.DEFAULT_POLICY),
-                               (2048, 256, 16, _dispatch.DEFAULT_POLICY)]:
+                               (2048, 256, 16, _dispatch.DEFAULT_POLICY),
+                               (40, 64, 4, TINY_FILL["tiny_fill_blocks"])]:
         for det in (False, True):
             base, lora = Case(T, 8, E, 64, seed=T), Case(T, 8, E, 64, rows=rows, seed=T)
             lora.ids[:] = base.ids

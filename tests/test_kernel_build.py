@@ -40,3 +40,26 @@ def test_prepared_calls_of_another_build_are_not_replayed():
     finally:
         _kernels.use_build(default)
     assert before.current() and not during.current()
+
+
+def test_earlier_sources_offer_only_the_kernels_they_define(tmp_path):
+    """Sources of an earlier commit (without align_tiny_filled and its pair) load and plan
+    without them; the package's own sources define every kernel name."""
+    import numpy as np
+
+    default = _kernels.current_build()
+    assert _kernels.defined_kernel_names(np.int32) == _kernels.kernel_names(np.int32)
+    copy = tmp_path / "kernels"
+    shutil.copytree(_kernels.kernel_dir(), copy)
+    block = copy / "one_block.cuh"
+    block.write_text(block.read_text().replace("align_tiny_filled(", "earlier_a(")
+                     .replace("align_tiny_pair_filled(", "earlier_b("))
+    try:
+        _kernels.use_build(_kernels.KernelBuild(source_dir=copy))
+        names = _kernels.defined_kernel_names(np.int32)
+        gone = set(_kernels.kernel_names(np.int32)) - set(names)
+        assert gone == {(k, det) for k in ("tiny_filled", "tiny_pair_filled")
+                        for det in (False, True)}
+        assert ("tiny", False) in names and ("tiny_pair", True) in names
+    finally:
+        _kernels.use_build(default)

@@ -131,7 +131,7 @@ def translate(source: str) -> str:
 
 
 def _arity(name: str) -> int:
-    return 2 if name.split("<")[0].endswith("_pair") else 1
+    return 2 if "_pair" in name.split("<")[0] else 1  # align_*_pair and align_tiny_pair_filled
 
 
 def unit(source: str, dtypes) -> str:
