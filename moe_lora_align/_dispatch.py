@@ -59,7 +59,7 @@ class AlignPolicy:
     # most this many buckets; its blocks get cluster_routes_per_thread routes a thread, at
     # least cluster_min_block threads.
     cluster_min_routes: int = 2304
-    cluster_max_routes: int = 12288
+    cluster_max_routes: int = 9216
     cluster_max_routes_deterministic: int = 12288
     cluster_max_buckets: int = 1024
     cluster_routes_per_thread: int = 2

@@ -15,6 +15,7 @@ NO_CLUSTERS = d.DeviceLimits(sm_count=132, smem_optin=232448, cooperative=True)
 ORDERED = dataclasses.replace(d.DEFAULT_POLICY, sort_for_determinism=False)
 SORTED = dataclasses.replace(d.DEFAULT_POLICY, sort_min_buckets=0)
 CMIN = d.DEFAULT_POLICY.cluster_min_routes
+CMAX = d.DEFAULT_POLICY.cluster_max_routes
 
 
 @pytest.mark.parametrize("numel,buckets,rows,limits,det,variant,expect", [
@@ -22,10 +23,12 @@ CMIN = d.DEFAULT_POLICY.cluster_min_routes
     (8, 64, 1, H200, False, None, ("shared", "single", 1)),
     (CMIN - 1, 256, 1, H200, False, None, ("shared", "single", 1)),
     (2048, 16 * 256, 16, H200, False, None, ("shared", "single", 1)),
-    # cluster_min_routes to 12K routes over at most 1024 buckets: one cluster, where the
-    # device has them
+    # cluster_min_routes to cluster_max_routes (deterministic: 12K) routes over at most 1024
+    # buckets: one cluster, where the device has them
     (CMIN, 256, 1, H200, False, None, ("cluster", "cluster", 1)),
-    (12288, 512, 1, H200, False, None, ("cluster", "cluster", 1)),
+    (CMAX, 512, 1, H200, False, None, ("cluster", "cluster", 1)),
+    (CMAX + 1, 512, 1, H200, False, None, ("cooperative", "cooperative", 1)),
+    (12288, 512, 1, H200, True, None, ("cluster", "cluster", 1)),
     (4096, 4 * 256, 4, H200, False, None, ("cluster", "cluster", 1)),
     (CMIN, 256, 1, NO_CLUSTERS, False, None, ("shared", "single", 1)),
     (4097, 256, 1, NO_CLUSTERS, False, None, ("cooperative", "cooperative", 1)),
