@@ -53,7 +53,7 @@ class AlignPolicy:
     # Above this many output entries the cooperative launch beats one block; with fill
     # blocks beside it (tiny_fill_blocks_from), one block keeps up to the second figure.
     coop_over_single_entries: int = 81920
-    coop_over_filled_single_entries: int = 1 << 18
+    coop_over_filled_single_entries: int = 1 << 19
     # One cluster of CLUSTER_BLOCKS blocks (sm_90+) from this many routes
     # up to this many (deterministic calls: up to cluster_max_routes_deterministic), over at
     # most this many buckets; its blocks get cluster_routes_per_thread routes a thread, at
