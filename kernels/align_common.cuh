@@ -54,7 +54,8 @@ struct Problem {
   int tiles_shift;
   int count_stride;             // cooperative kernel: entries between its two count buffers
   int coop_blocks;              // cooperative kernels: blocks aligning this problem
-  int fill_blocks;              // align_cooperative: its last blocks that only fill
+  int fill_blocks;              // blocks of the launch that only fill (align_cooperative's
+                                //   last ones, align_tiny_filled's after the first)
 };
 
 // Stage timestamps for scripts/stage_probe.py, compiled in only with -DMLA_PROBE: thread 0 of

@@ -699,8 +699,12 @@ def choose_pair(numel: int, base_buckets: int, lora_buckets: int, rows: int,
     # The base side's block writes its own fill; the LoRA side's may have fill blocks (the
     # tiny pair only: blocks 2.. of its launch), and its block is then sized without it.
     fill = tiny_fill_blocks(numel, out_entries, limits, policy, aligning=2)
-    if (prefer_cooperative and not deterministic and limits.cooperative
-            and coop_over_single(out_entries, fill > 0, policy)):
+
+    def cooperative_wins(filled: bool) -> bool:
+        return (prefer_cooperative and not deterministic and limits.cooperative
+                and coop_over_single(out_entries, filled, policy))
+
+    if cooperative_wins(fill > 0):
         return None
     base = _single_block(numel, base_buckets, 1, deterministic, limits,
                          out_entries // max(rows, 1), policy=policy, fill_blocks=False)
@@ -717,8 +721,7 @@ def choose_pair(numel: int, base_buckets: int, lora_buckets: int, rows: int,
         if smem <= limits.dynamic_smem:
             return Launch("shared", "single", deterministic, block, grid=2 + fill,
                           smem_single=smem, tiny=True, fill_grid=fill)
-    if (fill and prefer_cooperative and not deterministic and limits.cooperative
-            and coop_over_single(out_entries, False, policy)):
+    if fill and cooperative_wins(False):
         return None  # the blocks below have no fill blocks
     if base.tiny or lora.tiny:  # two align_single blocks, each side sized for that kernel
         base, lora = (_single_block(numel, nb, r, deterministic, limits, e, use_tiny=False,
