@@ -75,9 +75,12 @@ class AlignPolicy:
     # From this many output entries, and below the second figure, the cooperative launch
     # gets fill blocks: blocks that only write the sentinel fill beside the counting blocks
     # (two blocks of FILL_SPLIT_BLOCK threads an SM) instead of the counting blocks filling
-    # before they count.
+    # before they count. Free-order calls of fewer routes than the third figure keep them
+    # below the fourth: there the fill, not the counting, is most of the work.
     coop_fill_blocks_from: int = 0
     coop_fill_blocks_below: int = 1 << 18
+    coop_fill_blocks_free_routes: int = 196608
+    coop_fill_blocks_free_below: int = 655360
     # From this many output entries align_tiny (past one warp's routes) gets fill blocks:
     # a block per fill_per_block entries writes the fill while block 0 counts.
     tiny_fill_blocks_from: int = 32768
@@ -352,6 +355,20 @@ def two_blocks_an_sm(block: int, smem: int, limits: DeviceLimits) -> bool:
     return block <= FILL_SPLIT_BLOCK and 2 * (smem + SMEM_SLACK + 1024) <= limits.smem_optin
 
 
+def coop_fill_blocks(numel: int, out_entries: int, deterministic: bool,
+                     policy: AlignPolicy = DEFAULT_POLICY) -> bool:
+    """The policy gives the cooperative launch of ``numel`` routes writing ``out_entries``
+    output entries fill blocks: from ``coop_fill_blocks_from`` entries, below
+    ``coop_fill_blocks_below``, or for free-order calls of fewer than
+    ``coop_fill_blocks_free_routes`` routes below ``coop_fill_blocks_free_below``."""
+    if out_entries < policy.coop_fill_blocks_from:
+        return False
+    if out_entries < policy.coop_fill_blocks_below:
+        return True
+    return (not deterministic and numel < policy.coop_fill_blocks_free_routes
+            and out_entries < policy.coop_fill_blocks_free_below)
+
+
 def _cooperative(numel, num_buckets, rows, limits, out_entries, deterministic=False,
                  policy: AlignPolicy = DEFAULT_POLICY, fill_blocks: bool = True):
     """The one-launch multi-block kernel's geometry, or None where it cannot run: no
@@ -361,16 +378,14 @@ def _cooperative(numel, num_buckets, rows, limits, out_entries, deterministic=Fa
     of per-warp counters for ordered ranks) does not fit. Deterministic: the way the policy
     prefers (``sorts_segments``), else the other where only it fits.
 
-    From ``policy.coop_fill_blocks_from`` output entries up to ``coop_fill_blocks_below``
-    (and ``fill_blocks``), blocks of
+    Where ``fill_blocks`` and ``coop_fill_blocks`` allow, blocks of
     FILL_SPLIT_BLOCK threads, two an SM: counting blocks, then fill blocks that only write
     the sentinel fill; else (or where that does not fit) one block of BLOCK threads an SM,
     the counting blocks filling too. Either way every block is resident whatever the
     occupancy."""
     if not limits.cooperative:
         return None
-    if (fill_blocks
-            and policy.coop_fill_blocks_from <= out_entries < policy.coop_fill_blocks_below):
+    if fill_blocks and coop_fill_blocks(numel, out_entries, deterministic, policy):
         split = _cooperative_blocks(numel, num_buckets, rows, limits, out_entries,
                                     deterministic, policy, FILL_SPLIT_BLOCK)
         if split is not None:

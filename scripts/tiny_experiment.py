@@ -64,9 +64,11 @@ CASES = [  # op, T, E, K, B, L
     ("base", 65536, 256, 8, 64, None), ("base", 16384, 8, 8, 64, None),
     ("lora", 4096, 256, 8, 64, 16), ("lora", 16384, 256, 8, 64, 16),
     ("lora", 16384, 256, 8, 64, 4), ("lora", 4096, 64, 8, 64, 4),
-    # the cooperative launch's fill blocks between 147K and 540K output entries
+    # the cooperative launch's fill blocks between 147K and 540K output entries, and at the
+    # free-order bounds (661K entries; 196608 routes)
     ("base", 32768, 256, 8, 64, None), ("lora", 2048, 256, 8, 64, 16),
-    ("lora", 8192, 256, 8, 64, 4),
+    ("lora", 8192, 256, 8, 64, 4), ("lora", 3072, 256, 8, 64, 16),
+    ("lora", 24576, 256, 8, 64, 2),
 ]
 
 
@@ -126,6 +128,7 @@ RUNS = [  # name, AlignPolicy fields, kernel sources (None: the package's), one 
     ("no coop", NO_COOP, None, False, False),
     ("det", {}, None, False, True), ("det single", {"use_tiny": False}, None, False, True),
     ("no fill blocks", {"coop_fill_blocks_from": 1 << 62}, None, False, False),
+    ("entries bound only", {"coop_fill_blocks_free_below": 0}, None, False, False),
     ("det no fill blocks", {"coop_fill_blocks_from": 1 << 62}, None, False, True),
     ("no tiny fill blocks", {"tiny_fill_blocks_from": 1 << 62}, None, False, False),
     ("det no tiny fill blocks", {"tiny_fill_blocks_from": 1 << 62}, None, False, True),

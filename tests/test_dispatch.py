@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from moe_lora_align import _dispatch as d
+from moe_lora_align._sizes import buffer_sizes
 
 H200 = d.DeviceLimits.h200()
 SMALL = d.DeviceLimits(sm_count=16, smem_optin=48 * 1024)
@@ -190,16 +191,42 @@ def test_cooperative_fill_spreads_over_the_sms():
                                variant="cooperative").grid == grid
 
 
+def test_fill_blocks_of_free_order_calls_with_few_routes():
+    # Past coop_fill_blocks_below, free-order calls of fewer than coop_fill_blocks_free_routes
+    # routes keep fill blocks below coop_fill_blocks_free_below entries; ordered calls do not.
+    policy = d.DEFAULT_POLICY
+    routes, free_below = policy.coop_fill_blocks_free_routes, policy.coop_fill_blocks_free_below
+    assert policy.coop_fill_blocks_below < free_below
+    for numel, entries, split in ((routes - 1, free_below - 1, True),
+                                  (routes - 1, free_below, False),
+                                  (routes, policy.coop_fill_blocks_below, False),
+                                  (routes, policy.coop_fill_blocks_below - 1, True)):
+        for det in (False, True):
+            launch = d.choose_launch(numel, 1024, 4, H200, out_entries=entries,
+                                     deterministic=det, variant="cooperative")
+            want = split and (not det or entries < policy.coop_fill_blocks_below)
+            assert bool(launch.fill_grid) == want, (numel, entries, det)
+    # The r41 cases of the LoRA A/B line (E=256, K=8, B=64): T=2048 16 slots and T=16384
+    # 4 slots take them, T=4096 16 slots (794K entries) and base T=32768 do not.
+    for T, slots, split in ((2048, 16, True), (16384, 4, True), (4096, 16, False),
+                            (32768, 1, False)):
+        P, M = buffer_sizes(T * 8, 256, 64)
+        launch = d.choose_launch(T * 8, slots * 256, slots, H200, out_entries=slots * (P + M))
+        assert launch.kind == "cooperative" and bool(launch.fill_grid) == split, T
+
+
 def test_fill_blocks_where_they_apply():
-    # From coop_fill_blocks_from output entries on, below coop_fill_blocks_below
-    at = d.AlignPolicy(coop_fill_blocks_from=100000, coop_fill_blocks_below=200000)
+    # From coop_fill_blocks_from output entries on, below coop_fill_blocks_below (the free-
+    # order bound off)
+    at = d.AlignPolicy(coop_fill_blocks_from=100000, coop_fill_blocks_below=200000,
+                       coop_fill_blocks_free_below=0)
     for entries, split in ((99999, False), (100000, True), (199999, True), (200000, False)):
         launch = d.choose_launch(16384 * 8, 256, 1, H200, out_entries=entries, policy=at)
         assert launch.kind == "cooperative" and bool(launch.fill_grid) == split
         assert launch.block == (d.FILL_SPLIT_BLOCK if split else d.BLOCK)
     below = d.DEFAULT_POLICY.coop_fill_blocks_below
     for entries, split in ((below - 1, True), (below, False)):
-        launch = d.choose_launch(16384 * 8, 256, 1, H200, out_entries=entries)
+        launch = d.choose_launch(32768 * 8, 256, 1, H200, out_entries=entries)
         assert bool(launch.fill_grid) == split
     at = ALL_FILL_BLOCKS
     # Not where the segment sort runs (it holds a segment in a block of BLOCK threads), nor
