@@ -105,13 +105,26 @@ __global__ void align_pair(const Problem first, const Problem second) {
 // (LoRA with many slots) go to fill blocks instead (align_tiny_filled): the launch's blocks
 // past the first write them, and block 0 waits for their arrivals only before its stores.
 // DET: ranks in flat-index order. Warp w owns routes [w * items * 32, (w + 1) * items * 32),
-// items = 1, 2 or 4 routes a lane (the fewest that cover the routes); ranks within the warp
+// items = 1, 2 or 4 routes a lane (the fewest that cover the routes with at most
+// TINY_DET_COUNTERS counters, so that LoRA's 4096 buckets fit up to 2048 routes:
+// tiny_det_items, _dispatch.tiny_det_items); ranks within the warp
 // come in lane order (claim_in_lane_order into the warp's own counters), and each bucket's
 // thread turns its column of warp counts into a prefix over the warps before the scan.
 // After the row region: starts[nb + 1] ints (counts first, then the padded scan in place) |
 // DET: warp_counts[route_warps * stride] ushort, stride = nb rounded up to even.
 #define TINY_ITEMS 4
 #define TINY_BUCKETS 4
+#define TINY_DET_COUNTERS 65536
+
+// DET: routes a lane, the fewest that cover numel routes with the warps' counter rows
+// (stride ushorts each) within TINY_DET_COUNTERS; else TINY_ITEMS.
+__device__ __forceinline__ int tiny_det_items(int numel, int bd, int stride) {
+#pragma unroll
+  for (int items = 1; items < TINY_ITEMS; items *= 2)
+    if (numel <= items * bd && ((numel + 32 * items - 1) / (32 * items)) * stride <= TINY_DET_COUNTERS)
+      return items;
+  return TINY_ITEMS;
+}
 
 // A base alignment: one row, always processed. (A LoRA call without tokens has no token
 // slots either, but may list its slots or disable adapters, and has a row per slot.)
@@ -135,9 +148,9 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
   int* starts = reinterpret_cast<int*>(dynamic_smem + row_region_bytes(p.rows));
   // DET: routes a lane (1, 2 or 4, so log2 is items >> 1), warps holding routes, counters.
   const int bd = blockDim.x;
-  const int items = !DET ? TINY_ITEMS : p.numel <= bd ? 1 : p.numel <= 2 * bd ? 2 : 4;
-  const int route_warps = DET ? (p.numel + (32 << (items >> 1)) - 1) >> (5 + (items >> 1)) : 0;
   const int stride = (nb + 1) & ~1;
+  const int items = !DET ? TINY_ITEMS : tiny_det_items(p.numel, bd, stride);
+  const int route_warps = DET ? (p.numel + (32 << (items >> 1)) - 1) >> (5 + (items >> 1)) : 0;
   unsigned short* warp_counts = reinterpret_cast<unsigned short*>(starts + nb + 1);
   const auto route_index = [&](int j) {
     return DET ? (j < items ? (warp * items + j) * 32 + lane : p.numel) : j * bd + tid;

@@ -18,6 +18,8 @@ ITEMS_PER_THREAD = 4          # ITEMS_PER_THREAD: routes a thread holds in regis
 TINY_ITEMS = 4                # TINY_ITEMS: align_tiny's routes a thread
 TINY_BUCKETS = 4              # TINY_BUCKETS: align_tiny's buckets a thread when buckets
                               #   outnumber threads
+TINY_DET_COUNTERS = 65536     # TINY_DET_COUNTERS: deterministic align_tiny's warp counters
+                              #   (ushort), at most, where fewer routes a lane would do
 WARP_ROUTES = 32              # WARP_ROUTES: align_tiny places at most this many routes
                               #   (of at most 32 rows) on one warp (align_warp)
 COOP_ITEMS = 8                # COOP_ITEMS: the cooperative kernels' routes a thread, at most
@@ -288,11 +290,21 @@ def tiny_block_threads(numel: int, out_entries: int, num_buckets: int,
     return block if block <= BLOCK else None
 
 
+def tiny_det_items(numel: int, block: int, num_buckets: int) -> int:
+    """Deterministic align_tiny's routes a lane: the fewest of 1 and 2 that cover the routes
+    with each route warp's counter row (``num_buckets`` rounded up to even) within
+    TINY_DET_COUNTERS counters, else 4 (kernels/one_block.cuh: tiny_det_items)."""
+    stride = num_buckets + (num_buckets & 1)
+    for items in (1, 2):
+        if numel <= items * block and _ceil_div(numel, 32 * items) * stride <= TINY_DET_COUNTERS:
+            return items
+    return TINY_ITEMS
+
+
 def tiny_warp_counter_bytes(numel: int, block: int, num_buckets: int) -> int:
     """Deterministic align_tiny's per-warp counters: a row of ``unsigned short`` (rounded up
-    to even) for each warp holding routes, at 1, 2 or 4 routes a lane (the fewest that cover
-    them; kernels/align_kernels.cu: align_tiny_buckets)."""
-    items = 1 if numel <= block else 2 if numel <= 2 * block else 4
+    to even) for each warp holding routes (``tiny_det_items`` routes a lane)."""
+    items = tiny_det_items(numel, block, num_buckets)
     return 2 * _ceil_div(numel, 32 * items) * (num_buckets + (num_buckets & 1))
 
 
