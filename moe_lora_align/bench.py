@@ -560,6 +560,12 @@ def table(results):
     lines.append("graph/eager/det/shared/global/coop/ref/floor: microseconds per call (coop: "
                  "the cooperative variant); x ref: reference graph time over ours; cupy: "
                  "CuPy-library baseline, eager.")
+    checked, misses = graph_target_misses(results)
+    if checked:
+        lines.append(f"graph targets (issue 18, set on the H200; bench.graph_target, "
+                     f"DETERMINISTIC_OVER_DEFAULT): {checked - len(misses)} of {checked} "
+                     "figures met" + (", missed:" if misses else ""))
+        lines += [f"  {m}" for m in misses]
     lines.append("")
     lines += eager_table(results)
     return "\n".join(lines)
@@ -594,6 +600,59 @@ def eager_target_misses(results):
                 misses.append(f"{where} {path} {us:.2f} > decode cap {cap + extra}")
             elif us > plan + over + extra:
                 misses.append(f"{where} {path} {us:.2f} > plan {plan:.2f} + {over + extra}")
+    return checked, misses
+
+
+# Issue 18's graph-replay targets, µs per call, set on the H200 (other devices: indications):
+# the mid band's base rows, (T, E) -> at most; decode and prefill rows in graph_target; and
+# every row's deterministic figure at most DETERMINISTIC_OVER_DEFAULT times its default.
+MID_BAND_TARGETS = {(256, 128): 4.1, (256, 256): 4.1, (256, 512): 4.5, (1024, 256): 5.6,
+                    (1024, 512): 6.5}
+DETERMINISTIC_OVER_DEFAULT = 1.3
+
+
+def graph_target(row):
+    """Issue 18's graph µs for a benchmark row (uniform routing), or None where it set none."""
+    if row.get("routing", "uniform") != "uniform":
+        return None
+    op, T, E, slots = row["op"], row["tokens"], row["num_experts"], row.get("max_loras")
+    if op == "base":
+        if (T, E) in MID_BAND_TARGETS:
+            return MID_BAND_TARGETS[T, E]
+        if T <= 64 and 64 <= E <= 512:
+            return 2.3
+        return 6.0 if (T, E) == (16384, 256) else None
+    if op == "lora":
+        if T <= 16:
+            return 3.0 if slots <= 4 else 4.0 if slots == 16 else None
+        if (T, E, slots) == (256, 256, 16):
+            return 9.0
+        return 12.0 if (T, E, slots) == (16384, 256, 16) else None
+    return None
+
+
+def graph_target_misses(results):
+    """``(figures checked, [text of each miss])`` of the graph figures against issue 18's
+    targets: ``graph_target`` and the deterministic figure over the default."""
+    checked, misses = 0, []
+    for r in results:
+        if r["op"] == "pair" or r.get("graph_us") is None:
+            continue
+        where = (f"{r['op']} T={r['tokens']} E={r['num_experts']}"
+                 + (f" L={r['max_loras']}" if r.get("max_loras") else "")
+                 + f" {r.get('routing', 'uniform')}")
+        target = graph_target(r)
+        if target is not None:
+            checked += 1
+            if r["graph_us"] > target:
+                misses.append(f"{where} graph {r['graph_us']:.2f} > {target}")
+        det = r.get("deterministic_graph_us")
+        if det is not None:
+            checked += 1
+            if det > DETERMINISTIC_OVER_DEFAULT * r["graph_us"]:
+                misses.append(f"{where} deterministic {det:.2f} = "
+                              f"{det / r['graph_us']:.2f} x default > "
+                              f"{DETERMINISTIC_OVER_DEFAULT}")
     return checked, misses
 
 

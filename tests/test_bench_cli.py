@@ -61,6 +61,26 @@ def test_eager_targets_check_caps_at_decode_and_the_plan_everywhere():
                       "base T=4096 E=64 uniform cupy_out 13.50 > plan 9.00 + 4"]
 
 
+def test_graph_targets_of_issue_18_and_the_deterministic_ratio():
+    def row(op, T, E, graph, det=None, slots=None, routing="uniform"):
+        return {"op": op, "tokens": T, "num_experts": E, "max_loras": slots, "routing": routing,
+                "graph_us": graph, "deterministic_graph_us": det}
+
+    results = [row("base", 16, 64, 2.2), row("base", 64, 512, 2.4),      # decode: <= 2.3
+               row("base", 1024, 512, 6.4, det=8.4),                      # mid band, det 1.31x
+               row("lora", 16, 256, 3.9, slots=16), row("lora", 1, 64, 3.1, slots=4),
+               row("lora", 16384, 256, 11.9, det=15.4, slots=16),
+               row("base", 16384, 256, 9.0, routing="skewed"),            # no target skewed
+               row("base", 4096, 256, 7.0), {"op": "pair", "tokens": 1}]  # no target
+    checked, misses = bench.graph_target_misses(results)
+    assert checked == 8
+    assert misses == ["base T=64 E=512 uniform graph 2.40 > 2.3",
+                      "base T=1024 E=512 uniform deterministic 8.40 = 1.31 x default > 1.3",
+                      "lora T=1 E=64 L=4 uniform graph 3.10 > 3.0"]
+    assert bench.graph_target(row("lora", 256, 256, 1.0, slots=16)) == 9.0
+    assert bench.graph_target(row("lora", 16, 256, 1.0, slots=8)) is None
+
+
 def test_eager_cells_keep_the_best_pass_and_every_pass_is_kept():
     from moe_lora_align import bench
 
