@@ -85,6 +85,7 @@ CASES = [  # op ("... det": deterministic=True), T, E, K, B, L
     ("base det", 1024, 512, 10, 64, None), ("base det", 256, 512, 10, 16, None),
     ("base", 16, 64, 8, 16, None), ("base", 16, 256, 8, 16, None),
     ("base", 64, 256, 8, 16, None), ("lora", 16, 256, 8, 16, 16),
+    ("lora det", 256, 256, 8, 16, 16),
 ]
 STAGES = {0: ["entry", "rows+fill", "claim", "scan", "stores", "end"],
           1: ["entry", "rows", "claim", "flush", "ticket", "scan", "end", "det prefix"],
