@@ -143,8 +143,8 @@ class Launch:
     sorted: bool = False      # cooperative, deterministic: sorts every segment after a
                               #   second barrier (else ranks in flat order)
     fill_grid: int = 0        # cooperative: the grid's last blocks, align_tiny: the blocks
-                              #   after the first, which only write the sentinel fill (the
-                              #   aligning blocks fill when 0)
+                              #   after the aligning ones, which only write the sentinel fill
+                              #   (align_tiny's count it first; the aligning blocks fill when 0)
     order_grid: int = 0       # > 0: then align_order, this many blocks, sorts every segment
                               #   (deterministic output from the free-order count + place)
     smem_order: int = 0       # dynamic shared bytes of align_order (the sort's scratch)
@@ -313,11 +313,9 @@ def tiny_fill_blocks(numel: int, out_entries: int, limits: DeviceLimits,
     """Fill blocks of an align_tiny launch (or of the LoRA side of the fused tiny pair) beside
     its ``aligning`` blocks: one per ``fill_per_block`` output entries from
     ``tiny_fill_blocks_from`` on, the launch within the SMs; none on the one-warp path (which
-    fills itself) or where the launch cannot be cooperative (the aligning blocks wait for the
-    fill blocks, so all must be resident). The aligning blocks are then sized without the
-    fill."""
-    if (not limits.cooperative or numel <= WARP_ROUTES
-            or out_entries < policy.tiny_fill_blocks_from):
+    fills itself). Each fill block counts the routes itself, so none waits for another. The
+    aligning blocks are then sized without the fill."""
+    if numel <= WARP_ROUTES or out_entries < policy.tiny_fill_blocks_from:
         return 0
     return max(0, min(limits.sm_count - aligning, _ceil_div(out_entries, policy.fill_per_block)))
 
@@ -793,9 +791,7 @@ def launch_kernels(launch, fused: bool = False) -> list:
             "tiny_pair" if launch.tiny else "pair")
         if launch.tiny and launch.fill_grid:
             name += "_filled"  # a kernel apart; align_tiny and align_tiny_pair have none
-        # align_tiny with fill blocks: cooperative, so that block 0's wait for them returns
-        kernels = [((name, det), launch.grid, launch.block, launch.smem_single,
-                    launch.fill_grid > 0)]
+        kernels = [((name, det), launch.grid, launch.block, launch.smem_single, False)]
     elif launch.kind == "cluster":
         kernels = [(("cluster_pair" if fused else "cluster", det), launch.grid, launch.block,
                     launch.smem_place, False)]
@@ -874,8 +870,6 @@ def check_launch(launch, numel: int, sides, limits: DeviceLimits) -> None:
         elif kernel in TINY_KERNELS and grid != len(sides) + launch.fill_grid:
             why = (f"a grid of {grid} blocks, not {len(sides)} and {launch.fill_grid} fill "
                    "blocks")
-        elif kernel in TINY_KERNELS and launch.fill_grid and grid > limits.sm_count:
-            why = f"{grid} blocks cannot all be resident on {limits.sm_count} SMs"
         elif kernel == "cooperative" and launch.chunk > COOP_ITEMS * block:
             why = f"chunks of {launch.chunk} routes, more than {COOP_ITEMS} a thread of {block}"
         elif kernel == "cooperative" and launch.sorted and block != BLOCK:
