@@ -163,7 +163,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", type=Path)
     ap.add_argument("--baseline", type=Path, help="kernel sources of an earlier commit")
-    ap.add_argument("--variant", action="append", default=[], help="NAME=DIR[:1][:det]")
+    ap.add_argument("--variant", action="append", default=[],
+                    help="NAME=DIR[:1][:det][:default]: kernel sources of another commit, "
+                         "without fill blocks unless :default (the default policy)")
     ap.add_argument("--runs", help="comma-separated names of RUNS to keep (default: all)")
     ap.add_argument("--run", action="append", default=[],
                     help="NAME=FIELD=INT,...[:det]: one more run under those AlignPolicy fields")
@@ -178,7 +180,8 @@ def main():
     for v in args.variant:
         name, spec = v.split("=", 1)
         directory, *flags = spec.split(":")
-        runs.append((name, ONE, Path(directory).resolve(), "1" in flags, "det" in flags))
+        runs.append((name, {} if "default" in flags else ONE, Path(directory).resolve(),
+                     "1" in flags, "det" in flags))
     for spec in args.run:
         name, fields = spec.split("=", 1)
         fields, _, det = fields.partition(":")

@@ -90,7 +90,7 @@ def test_the_next_rounds_ab_lines_name_runs_and_cases_that_exist(experiment, mon
         for i, word in enumerate(args):
             if word == "--variant":
                 name, spec = args[i + 1].split("=", 1)
-                assert name and set(spec.split(":")[1:]) <= {"1", "det"}, line
+                assert name and set(spec.split(":")[1:]) <= {"1", "det", "default"}, line
             if word == "--run":  # as tiny_experiment parses it
                 name, fields = args[i + 1].split("=", 1)
                 fields, _, det = fields.partition(":")
