@@ -124,7 +124,8 @@ __global__ void align_pair(const Problem first, const Problem second) {
 __device__ __forceinline__ int tiny_det_items(int numel, int bd, int stride) {
 #pragma unroll
   for (int items = 1; items < TINY_ITEMS; items *= 2)
-    if (numel <= items * bd && ((numel + 32 * items - 1) / (32 * items)) * stride <= TINY_DET_COUNTERS)
+    if (numel <= items * bd &&
+        ((numel + 32 * items - 1) / (32 * items)) * stride <= TINY_DET_COUNTERS)
       return items;
   return TINY_ITEMS;
 }
@@ -155,7 +156,7 @@ __device__ __forceinline__ int fill_row_tail(int* row, int from, int len, int va
   return max(0, u1 - u0);
 }
 
-// A fill block of align_tiny_filled (the filler-th of p.fill_blocks), after its own count and
+// A fill block of an align_tiny_filled launch, the filler-th of p.fill_blocks, after its count and
 // scan (starts in shared memory, `total` the base row's): the sentinel past each written
 // row's total and -1 in the tiles past it, its share over the fill blocks' threads.
 template <bool BASE>
