@@ -104,9 +104,10 @@ __global__ void align_pair(const Problem first, const Problem second) {
 // instead of a binary search per tile, and every fill issued before counting. Large fills
 // (LoRA with many slots) go to fill blocks instead (align_tiny_filled): the launch's blocks
 // past the first count the routes as block 0 does (cheap at these sizes), so each knows every
-// row's total without waiting for another block, and writes its share of the sentinels past
-// the totals and of the -1 tiles past them; block 0 writes the padding inside the segments.
-// No block waits for another, so the fill's stores drain beside block 0's chain.
+// segment and row total without waiting for another block, and writes its share of the
+// sentinels (the padding inside the segments and all past the totals) and of the -1 tiles
+// past the totals; block 0 writes the routes and the segments' tiles. No block waits for
+// another, so the fill's stores drain beside block 0's chain.
 // DET: ranks in flat-index order. Warp w owns routes [w * items * 32, (w + 1) * items * 32),
 // items = 1, 2 or 4 routes a lane (the fewest that cover the routes with at most
 // TINY_DET_COUNTERS counters, so that LoRA's 4096 buckets fit up to 2048 routes:
@@ -301,6 +302,15 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p, int filler)
   __syncthreads();
   MLA_STAMP(0, 3);
   if (fill_block) {
+    // The padding inside this thread's buckets' segments, every fill block a stride of it
+    // (one block alone would write up to B - 1 entries for each bucket holding a route).
+#pragma unroll
+    for (int q = 0; q < PER; ++q) {
+      if (padded[q] == count[q]) continue;
+      int* segment = p.sorted_ids + (BASE ? start[q] : output_index(p, starts, first + q, 0));
+#pragma unroll 1
+      for (int k = count[q] + filler; k < padded[q]; k += p.fill_blocks) segment[k] = p.numel;
+    }
     fill_past_totals<BASE>(p, processed, starts, total, filler);
     return;
   }
@@ -312,16 +322,10 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p, int filler)
     p.sorted_ids[BASE ? starts[bucket[j]] + r : output_index(p, starts, bucket[j], r)] =
         route_index(j);
   }
-  // Tiles of this thread's buckets (only processed rows have counts), and with fill blocks
-  // the sentinels of their padding (the fill blocks write none inside the segments).
+  // Tiles of this thread's buckets (only processed rows have counts).
 #pragma unroll
   for (int q = 0; q < PER; ++q) {
     if (padded[q] == 0) continue;
-    if (!fills) {
-      int* segment = p.sorted_ids + (BASE ? start[q] : output_index(p, starts, first + q, 0));
-#pragma unroll 1
-      for (int k = count[q]; k < padded[q]; ++k) segment[k] = p.numel;
-    }
     const int tiles = fast_div(padded[q], p.block_magic, p.block_shift);
     if (BASE) {
       const int value = p.map_mode == 2 ? p.expert_map[first + q] : first + q;
