@@ -76,17 +76,18 @@ __device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
   return v;
 }
 
-// A fill block of align_cooperative: the sentinel fill of the written rows over fill blocks
-// [0, p.fill_blocks) of this launch, then one arrival at `arrivals`. The counting blocks wait
-// for every arrival at their grid barrier, before they store what overwrites the fill (the
-// launch is cooperative: every block is resident, so none waits for a block that has not
-// started). The fill's stores then drain beside the counting blocks' chain of round trips
-// instead of ahead of it. (align_tiny_filled's fill blocks count instead: one_block.cuh.)
-__device__ void fill_and_arrive(const Problem& p, int fill_block, unsigned* arrivals) {
+// A fill block: the sentinel fill of the written rows (and with `tiles`, -1 in their tiles)
+// over fill blocks [0, p.fill_blocks) of this launch, then one arrival at `arrivals`. The
+// blocks that align wait for every arrival before they store what overwrites the fill (both
+// launches with fill blocks are cooperative: every block is resident, so none waits for a
+// block that has not started). The fill's stores then drain beside the aligning blocks'
+// chain of round trips instead of ahead of it.
+__device__ void fill_and_arrive(const Problem& p, int fill_block, bool tiles, unsigned* arrivals) {
   unsigned char* processed = dynamic_smem;
   mark_processed_rows(p, processed);
   const int tid = fill_block * blockDim.x + threadIdx.x, nthreads = p.fill_blocks * blockDim.x;
   fill_rows(p, processed, p.sorted_ids, p.sorted_pitch, p.padded_len, p.numel, tid, nthreads);
+  if (tiles) fill_tile_ids(p, processed, tid, nthreads);
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();

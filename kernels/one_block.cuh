@@ -103,33 +103,15 @@ __global__ void align_pair(const Problem first, const Problem second) {
 // scan whose result stays in each bucket's thread, tiles written by their bucket's thread
 // instead of a binary search per tile, and every fill issued before counting. Large fills
 // (LoRA with many slots) go to fill blocks instead (align_tiny_filled): the launch's blocks
-// past the first count the routes as block 0 does (cheap at these sizes), so each knows every
-// segment and row total without waiting for another block, and writes its share of the
-// sentinels (the padding inside the segments and all past the totals) and of the -1 tiles
-// past the totals; block 0 writes the routes and the segments' tiles. No block waits for
-// another, so the fill's stores drain beside block 0's chain.
+// past the first write them, and block 0 waits for their arrivals only before its stores.
 // DET: ranks in flat-index order. Warp w owns routes [w * items * 32, (w + 1) * items * 32),
-// items = 1, 2 or 4 routes a lane (the fewest that cover the routes with at most
-// TINY_DET_COUNTERS counters, so that LoRA's 4096 buckets fit up to 2048 routes:
-// tiny_det_items, _dispatch.tiny_det_items); ranks within the warp
+// items = 1, 2 or 4 routes a lane (the fewest that cover the routes); ranks within the warp
 // come in lane order (claim_in_lane_order into the warp's own counters), and each bucket's
 // thread turns its column of warp counts into a prefix over the warps before the scan.
 // After the row region: starts[nb + 1] ints (counts first, then the padded scan in place) |
 // DET: warp_counts[route_warps * stride] ushort, stride = nb rounded up to even.
 #define TINY_ITEMS 4
 #define TINY_BUCKETS 4
-#define TINY_DET_COUNTERS 65536
-
-// DET: routes a lane, the fewest that cover numel routes with the warps' counter rows
-// (stride ushorts each) within TINY_DET_COUNTERS; else TINY_ITEMS.
-__device__ __forceinline__ int tiny_det_items(int numel, int bd, int stride) {
-#pragma unroll
-  for (int items = 1; items < TINY_ITEMS; items *= 2)
-    if (numel <= items * bd &&
-        ((numel + 32 * items - 1) / (32 * items)) * stride <= TINY_DET_COUNTERS)
-      return items;
-  return TINY_ITEMS;
-}
 
 // A base alignment: one row, always processed. (A LoRA call without tokens has no token
 // slots either, but may list its slots or disable adapters, and has a row per slot.)
@@ -138,61 +120,13 @@ __device__ __forceinline__ bool base_problem(const Problem& p) {
          p.adapter_enabled == nullptr;
 }
 
-// Sentinels into row[from, len) over threads [0, n) from g: scalars up to a multiple of 4,
-// then int4 stores (vec: the row is 16-byte aligned), then scalars. Returns the int4 units.
-__device__ __forceinline__ int fill_row_tail(int* row, int from, int len, int value, int g,
-                                             int n, bool vec, int unit_offset) {
-  const int4 v = make_int4(value, value, value, value);
-  const int head = vec ? min(len, (from + 3) & ~3) : len;
-#pragma unroll 1
-  for (int k = from + g; k < head; k += n) row[k] = value;
-  if (!vec) return 0;
-  const int u0 = head >> 2, u1 = len >> 2;
-  int k = g - unit_offset;  // rows rotate over the threads: every row's first units on others
-  if (k < 0) k += n;
-#pragma unroll 1
-  for (k += u0; k < u1; k += n) reinterpret_cast<int4*>(row)[k] = v;
-#pragma unroll 1
-  for (int q = max(4 * u1, head) + g; q < len; q += n) row[q] = value;
-  return max(0, u1 - u0);
-}
-
-// A fill block of an align_tiny_filled launch, the filler-th of p.fill_blocks, after its count and
-// scan (starts in shared memory, `total` the base row's): the sentinel past each written
-// row's total and -1 in the tiles past it, its share over the fill blocks' threads.
-template <bool BASE>
-__device__ __forceinline__ void fill_past_totals(const Problem& p, const unsigned char* processed,
-                                                 const int* starts, int total, int filler) {
-  const int n = p.fill_blocks * blockDim.x, g = filler * blockDim.x + threadIdx.x;
-  const int E = p.num_experts;
-  const bool vec = ((p.sorted_pitch & 3) == 0) &&
-                   ((reinterpret_cast<unsigned long long>(p.sorted_ids) & 15) == 0);
-  const auto row_total = [&](int r) { return BASE ? total : starts[r * E + E] - starts[r * E]; };
-  int offset = 0;
-#pragma unroll 1
-  for (int r = 0; r < p.rows; ++r) {
-    if (!BASE && !row_written(p, processed, r)) continue;
-    offset += fill_row_tail(p.sorted_ids + (long long)r * p.sorted_pitch, row_total(r),
-                            p.padded_len, p.numel, g, n, vec, offset);
-    offset %= n;
-  }
-#pragma unroll 1
-  for (int k = g; k < p.rows * p.num_tiles; k += n) {
-    const int r = BASE ? 0 : fast_div(k, p.tiles_magic, p.tiles_shift), t = k - r * p.num_tiles;
-    if ((BASE || row_written(p, processed, r)) &&
-        t >= fast_div(row_total(r), p.block_magic, p.block_shift))
-      p.expert_ids[(long long)r * p.expert_pitch + t] = -1;
-  }
-}
-
 // PER: buckets a thread, a compile-time count so the one-bucket version carries no loop or
 // guard for the others. BASE: a base_problem (one row, always processed), compiled apart so
 // the row arithmetic and the row flags fold away, as in align_warp's base instance.
 // FILLED: the kernels whose launches may have fill blocks (align_tiny_filled and its pair);
-// the others carry none of their code. filler: this block's index among the fill blocks, or
-// -1 for the block that aligns.
+// the others carry none of their code.
 template <typename IdT, int PER, bool DET, bool BASE, bool FILLED>
-__device__ __forceinline__ void align_tiny_buckets(const Problem& p, int filler) {
+__device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
   __shared__ int warp_sums[32];
   const int nb = num_buckets(p), tid = threadIdx.x;
   const int lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
@@ -201,9 +135,9 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p, int filler)
   int* starts = reinterpret_cast<int*>(dynamic_smem + row_region_bytes(p.rows));
   // DET: routes a lane (1, 2 or 4, so log2 is items >> 1), warps holding routes, counters.
   const int bd = blockDim.x;
-  const int stride = (nb + 1) & ~1;
-  const int items = !DET ? TINY_ITEMS : tiny_det_items(p.numel, bd, stride);
+  const int items = !DET ? TINY_ITEMS : p.numel <= bd ? 1 : p.numel <= 2 * bd ? 2 : 4;
   const int route_warps = DET ? (p.numel + (32 << (items >> 1)) - 1) >> (5 + (items >> 1)) : 0;
+  const int stride = (nb + 1) & ~1;
   unsigned short* warp_counts = reinterpret_cast<unsigned short*>(starts + nb + 1);
   const auto route_index = [&](int j) {
     return DET ? (j < items ? (warp * items + j) * 32 + lane : p.numel) : j * bd + tid;
@@ -230,8 +164,8 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p, int filler)
   const bool vec = ((p.sorted_pitch & 3) == 0) &&
                    ((reinterpret_cast<unsigned long long>(p.sorted_ids) & 15) == 0);
   const int units = vec ? (p.padded_len >> 2) : 0;
-  // else the launch's fill blocks write the fill past the totals, this block the padding
-  const bool fills = !FILLED || p.fill_blocks == 0, fill_block = FILLED && filler >= 0;
+  // else the launch's other blocks write the fill
+  const bool fills = !FILLED || p.fill_blocks == 0;
   const auto fill_row = [&](int r, int from, int step) {
     if (!BASE && !row_written(p, processed, r)) return;
     int* row = p.sorted_ids + (long long)r * p.sorted_pitch;
@@ -265,8 +199,7 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p, int filler)
   for (int j = 0; j < TINY_ITEMS; ++j) {
     const int i = route_index(j);
     bucket[j] = BASE ? bucket_of(p, route[j], RowBits{1u}) : bucket_of(p, route[j], processed);
-    if (p.scatter_idx != nullptr && i < p.numel && !fill_block)
-      p.scatter_idx[i] = bucket[j] >= 0 ? i : -1;
+    if (p.scatter_idx != nullptr && i < p.numel) p.scatter_idx[i] = bucket[j] >= 0 ? i : -1;
     if (!DET) rank[j] = claim(starts, bucket[j]);
     else if (j < items)
       rank[j] = claim_in_lane_order(warp_counts + warp * stride, bucket[j], bucket_bits(nb));
@@ -276,13 +209,13 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p, int filler)
 
   // Padded exclusive scan, this thread's buckets in this thread: warp scan of the threads'
   // sums, then every warp scans the warp totals itself (no serial phase of warp 0).
-  int padded[PER], count[PER], sum = 0;
+  int padded[PER], sum = 0;
 #pragma unroll
   for (int q = 0; q < PER; ++q) {
     const int b = first + q;
-    count[q] = b >= nb ? 0
-               : DET ? prefix_over_warps(warp_counts + b, stride, route_warps) : starts[b];
-    padded[q] = b < nb ? padded_count(p, count[q]) : 0;
+    const int count = b >= nb ? 0
+                      : DET ? prefix_over_warps(warp_counts + b, stride, route_warps) : starts[b];
+    padded[q] = b < nb ? padded_count(p, count) : 0;
     sum += padded[q];
   }
   const int x = warp_inclusive_sum(sum);
@@ -299,21 +232,15 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p, int filler)
   for (int q = 0; q < PER; ++q)  // each thread overwrites only the counts it read
     if (first + q < nb) starts[first + q] = start[q];
   if (tid == 0) starts[nb] = total;
+  if (!fills && tid == 0) {
+    // Every fill block's stores before the ones below that overwrite them; then the count
+    // goes back to zero for the next call (all fill blocks have arrived).
+    while (load_acquire(p.ticket) < (unsigned)p.fill_blocks) {
+    }
+    *p.ticket = 0u;
+  }
   __syncthreads();
   MLA_STAMP(0, 3);
-  if (fill_block) {
-    // The padding inside this thread's buckets' segments, every fill block a stride of it
-    // (one block alone would write up to B - 1 entries for each bucket holding a route).
-#pragma unroll
-    for (int q = 0; q < PER; ++q) {
-      if (padded[q] == count[q]) continue;
-      int* segment = p.sorted_ids + (BASE ? start[q] : output_index(p, starts, first + q, 0));
-#pragma unroll 1
-      for (int k = count[q] + filler; k < padded[q]; k += p.fill_blocks) segment[k] = p.numel;
-    }
-    fill_past_totals<BASE>(p, processed, starts, total, filler);
-    return;
-  }
 
 #pragma unroll
   for (int j = 0; j < TINY_ITEMS; ++j) {
@@ -439,15 +366,15 @@ __device__ __forceinline__ void align_warp(const Problem& p) {
 
 // The dispatcher keeps nb <= TINY_BUCKETS * blockDim.
 template <typename IdT, bool DET, bool FILLED>
-__device__ __forceinline__ void align_tiny_block(const Problem& p, int filler = -1) {
+__device__ __forceinline__ void align_tiny_block(const Problem& p) {
   // (the one-warp path fills itself: the dispatcher gives it no fill blocks)
   const bool one_warp = p.numel <= WARP_ROUTES && (!FILLED || p.fill_blocks == 0);
   if (one_warp && base_problem(p)) align_warp<IdT, true>(p);
   else if (one_warp && p.rows <= 32) align_warp<IdT, false>(p);
   else if (num_buckets(p) > (int)blockDim.x)
-    align_tiny_buckets<IdT, TINY_BUCKETS, DET, false, FILLED>(p, filler);
-  else if (base_problem(p)) align_tiny_buckets<IdT, 1, DET, true, FILLED>(p, filler);
-  else align_tiny_buckets<IdT, 1, DET, false, FILLED>(p, filler);
+    align_tiny_buckets<IdT, TINY_BUCKETS, DET, false, FILLED>(p);
+  else if (base_problem(p)) align_tiny_buckets<IdT, 1, DET, true, FILLED>(p);
+  else align_tiny_buckets<IdT, 1, DET, false, FILLED>(p);
 }
 
 // (1024, 1): with (1024) alone NVRTC 13.0 gave align_tiny<short> 32 registers on sm_80, and spills.
@@ -457,11 +384,12 @@ __global__ void __launch_bounds__(1024, 1) align_tiny(const Problem p) {
 }
 
 // align_tiny whose blocks past the first are fill blocks (p.fill_blocks of them, large LoRA
-// fills): each counts as block 0 does, then writes its share of the fill past the totals. A
-// kernel apart, so that decode calls' align_tiny has none of this.
+// fills; the launch is cooperative): block 0 waits for their arrivals at p.ticket before its
+// stores. A kernel apart, so that decode calls' align_tiny has none of this.
 template <typename IdT, bool DET>
 __global__ void __launch_bounds__(1024, 1) align_tiny_filled(const Problem p) {
-  align_tiny_block<IdT, DET, true>(p, (int)blockIdx.x - 1);
+  if (blockIdx.x > 0) fill_and_arrive(p, blockIdx.x - 1, true, p.ticket);
+  else align_tiny_block<IdT, DET, true>(p);
 }
 
 // Base and LoRA alignment in one launch of two tiny blocks (block 0: `first`).
@@ -475,5 +403,6 @@ __global__ void __launch_bounds__(1024, 1) align_tiny_pair(const Problem first, 
 template <typename IdT, bool DET>
 __global__ void __launch_bounds__(1024, 1) align_tiny_pair_filled(const Problem first,
                                                                   const Problem second) {
-  align_tiny_block<IdT, DET, true>(blockIdx.x == 0 ? first : second, (int)blockIdx.x - 2);
+  if (blockIdx.x >= 2) fill_and_arrive(second, blockIdx.x - 2, true, second.ticket);
+  else align_tiny_block<IdT, DET, true>(blockIdx.x == 0 ? first : second);
 }

@@ -18,8 +18,6 @@ ITEMS_PER_THREAD = 4          # ITEMS_PER_THREAD: routes a thread holds in regis
 TINY_ITEMS = 4                # TINY_ITEMS: align_tiny's routes a thread
 TINY_BUCKETS = 4              # TINY_BUCKETS: align_tiny's buckets a thread when buckets
                               #   outnumber threads
-TINY_DET_COUNTERS = 65536     # TINY_DET_COUNTERS: deterministic align_tiny's warp counters
-                              #   (ushort), at most, where fewer routes a lane would do
 WARP_ROUTES = 32              # WARP_ROUTES: align_tiny places at most this many routes
                               #   (of at most 32 rows) on one warp (align_warp)
 COOP_ITEMS = 8                # COOP_ITEMS: the cooperative kernels' routes a thread, at most
@@ -143,8 +141,8 @@ class Launch:
     sorted: bool = False      # cooperative, deterministic: sorts every segment after a
                               #   second barrier (else ranks in flat order)
     fill_grid: int = 0        # cooperative: the grid's last blocks, align_tiny: the blocks
-                              #   after the aligning ones, which only write the sentinel fill
-                              #   (align_tiny's count it first; the aligning blocks fill when 0)
+                              #   after the first, which only write the sentinel fill (the
+                              #   aligning blocks fill when 0)
     order_grid: int = 0       # > 0: then align_order, this many blocks, sorts every segment
                               #   (deterministic output from the free-order count + place)
     smem_order: int = 0       # dynamic shared bytes of align_order (the sort's scratch)
@@ -290,21 +288,11 @@ def tiny_block_threads(numel: int, out_entries: int, num_buckets: int,
     return block if block <= BLOCK else None
 
 
-def tiny_det_items(numel: int, block: int, num_buckets: int) -> int:
-    """Deterministic align_tiny's routes a lane: the fewest of 1 and 2 that cover the routes
-    with each route warp's counter row (``num_buckets`` rounded up to even) within
-    TINY_DET_COUNTERS counters, else 4 (kernels/one_block.cuh: tiny_det_items)."""
-    stride = num_buckets + (num_buckets & 1)
-    for items in (1, 2):
-        if numel <= items * block and _ceil_div(numel, 32 * items) * stride <= TINY_DET_COUNTERS:
-            return items
-    return TINY_ITEMS
-
-
 def tiny_warp_counter_bytes(numel: int, block: int, num_buckets: int) -> int:
     """Deterministic align_tiny's per-warp counters: a row of ``unsigned short`` (rounded up
-    to even) for each warp holding routes (``tiny_det_items`` routes a lane)."""
-    items = tiny_det_items(numel, block, num_buckets)
+    to even) for each warp holding routes, at 1, 2 or 4 routes a lane (the fewest that cover
+    them; kernels/align_kernels.cu: align_tiny_buckets)."""
+    items = 1 if numel <= block else 2 if numel <= 2 * block else 4
     return 2 * _ceil_div(numel, 32 * items) * (num_buckets + (num_buckets & 1))
 
 
@@ -313,9 +301,11 @@ def tiny_fill_blocks(numel: int, out_entries: int, limits: DeviceLimits,
     """Fill blocks of an align_tiny launch (or of the LoRA side of the fused tiny pair) beside
     its ``aligning`` blocks: one per ``fill_per_block`` output entries from
     ``tiny_fill_blocks_from`` on, the launch within the SMs; none on the one-warp path (which
-    fills itself). Each fill block counts the routes itself, so none waits for another. The
-    aligning blocks are then sized without the fill."""
-    if numel <= WARP_ROUTES or out_entries < policy.tiny_fill_blocks_from:
+    fills itself) or where the launch cannot be cooperative (the aligning blocks wait for the
+    fill blocks, so all must be resident). The aligning blocks are then sized without the
+    fill."""
+    if (not limits.cooperative or numel <= WARP_ROUTES
+            or out_entries < policy.tiny_fill_blocks_from):
         return 0
     return max(0, min(limits.sm_count - aligning, _ceil_div(out_entries, policy.fill_per_block)))
 
@@ -791,7 +781,9 @@ def launch_kernels(launch, fused: bool = False) -> list:
             "tiny_pair" if launch.tiny else "pair")
         if launch.tiny and launch.fill_grid:
             name += "_filled"  # a kernel apart; align_tiny and align_tiny_pair have none
-        kernels = [((name, det), launch.grid, launch.block, launch.smem_single, False)]
+        # align_tiny with fill blocks: cooperative, so that block 0's wait for them returns
+        kernels = [((name, det), launch.grid, launch.block, launch.smem_single,
+                    launch.fill_grid > 0)]
     elif launch.kind == "cluster":
         kernels = [(("cluster_pair" if fused else "cluster", det), launch.grid, launch.block,
                     launch.smem_place, False)]
@@ -870,6 +862,8 @@ def check_launch(launch, numel: int, sides, limits: DeviceLimits) -> None:
         elif kernel in TINY_KERNELS and grid != len(sides) + launch.fill_grid:
             why = (f"a grid of {grid} blocks, not {len(sides)} and {launch.fill_grid} fill "
                    "blocks")
+        elif kernel in TINY_KERNELS and launch.fill_grid and grid > limits.sm_count:
+            why = f"{grid} blocks cannot all be resident on {limits.sm_count} SMs"
         elif kernel == "cooperative" and launch.chunk > COOP_ITEMS * block:
             why = f"chunks of {launch.chunk} routes, more than {COOP_ITEMS} a thread of {block}"
         elif kernel == "cooperative" and launch.sorted and block != BLOCK:

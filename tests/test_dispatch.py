@@ -335,12 +335,7 @@ def test_tiny_pairs_need_both_sides():
     (1024, 1024, 256, 2 * 32 * 256),  # one route a lane: every warp
     (1025, 1024, 256, 2 * 17 * 256),  # two a lane: 17 warps of 64 routes
     (2049, 1024, 256, 2 * 17 * 256),  # four a lane: 17 warps of 128 routes
-    (4096, 1024, 4096, 2 * 32 * 4096),
-    # past TINY_DET_COUNTERS with the fewest: more routes a lane, half the warps' rows
-    (1024, 1024, 4096, 2 * 16 * 4096),  # two a lane (one would need 32 rows)
-    (1024, 1024, 3072, 2 * 16 * 3072),
-    (1024, 1024, 2048, 2 * 32 * 2048),  # one a lane: 32 rows of 2048 are exactly the limit
-    (2048, 1024, 4096, 2 * 16 * 4096)])  # four a lane
+    (4096, 1024, 4096, 2 * 32 * 4096)])
 def test_tiny_deterministic_counters(numel, block, buckets, nbytes):
     assert d.tiny_warp_counter_bytes(numel, block, buckets) == nbytes
 
@@ -350,18 +345,16 @@ def test_deterministic_decode_runs_tiny_where_its_counters_fit():
     base = 4 * 65 + d.row_region_bytes(1)
     assert launch.tiny and launch.deterministic and launch.block == 64
     assert launch.smem_single == base + 2 * 64
-    # 2048 routes over 16 x 256 buckets: four a lane, 16 warps of counters (128 KB) fit;
-    # 4096 routes: 32 warps of counters need 256 KB, align_single's fewer warps fit.
+    # 2048 routes over 16 x 256 buckets: 32 warps of counters need 256 KB, align_single's
+    # fewer warps fit.
     launch = d.choose_launch(2048, 16 * 256, 16, NO_COOP, deterministic=True)
-    assert launch.kind == "single" and launch.deterministic and launch.tiny
-    launch = d.choose_launch(4096, 16 * 256, 16, NO_COOP, deterministic=True)
     assert launch.kind == "single" and launch.deterministic and not launch.tiny
     pair = d.choose_pair(8, 64, 4 * 64, 4, H200, deterministic=True)
     assert pair.tiny and pair.deterministic and pair.block == 256
     assert pair.smem_single == (4 * 257 + d.row_region_bytes(4)
                                 + d.tiny_warp_counter_bytes(8, 256, 256))
     # A side whose counters do not fit: both sides on align_single, warps for the smaller.
-    pair = d.choose_pair(4096, 64, 16 * 256, 16, NO_COOP, deterministic=True)
+    pair = d.choose_pair(2048, 64, 16 * 256, 16, NO_COOP, deterministic=True)
     assert not pair.tiny and pair.deterministic
 
 
@@ -508,12 +501,11 @@ def test_decode_with_a_large_fill_prefers_the_cooperative_launch():
     no_tiny_fill = d.AlignPolicy(tiny_fill_blocks_from=1 << 62)
     filled = d.choose_launch(2048, 16 * 256, 16, H200, out_entries=entries)
     assert filled.kind == "single" and filled.tiny and filled.fill_grid
-    # deterministic too (four routes a lane: 16 warps' counters of 4096 buckets fit)
-    filled = d.choose_launch(2048, 16 * 256, 16, H200, out_entries=entries, deterministic=True)
-    assert filled.kind == "single" and filled.tiny and filled.fill_grid
     for det in (False, True):
+        # (deterministic: align_tiny's per-warp counters of 4096 buckets do not fit)
         assert d.choose_launch(2048, 16 * 256, 16, H200, out_entries=entries, deterministic=det,
-                               policy=no_tiny_fill).kind == "cooperative"
+                               policy=d.DEFAULT_POLICY if det else no_tiny_fill
+                               ).kind == "cooperative"
         assert d.choose_launch(2048, 16 * 256, 16, NO_COOP, out_entries=entries,
                                deterministic=det).kind == "single"
     assert d.choose_launch(2048, 16 * 256, 16, H200, out_entries=entries, policy=no_tiny_fill,
@@ -649,11 +641,14 @@ def test_tiny_fill_blocks():
     with pytest.raises(d.LaunchRefused, match="only align_tiny"):
         d.check_launch(dataclasses.replace(single, fill_grid=1), 128, sides, H200)
     d.check_launch(launch, 128, [(16 * 256, 16)], H200)
-    # an ordinary launch (no block waits for another: each fill block counts the routes
-    # itself), so devices without cooperative launches have them too
-    assert not d.launch_kernels(launch)[0][4] and not d.launch_kernels(pair, fused=True)[0][4]
-    assert d.choose_pair(128, 256, 16 * 256, 16, NO_COOP, out_entries=entries).fill_grid
-    assert d.choose_launch(128, 16 * 256, 16, NO_COOP, out_entries=entries).fill_grid
+    # a cooperative launch (block 0 waits for them): none where there is no such launch
+    assert d.launch_kernels(launch)[0][4] and d.launch_kernels(pair, fused=True)[0][4]
+    assert not d.launch_kernels(small, fused=True)[0][4]
+    assert not d.choose_pair(128, 256, 16 * 256, 16, NO_COOP, out_entries=entries).fill_grid
+    assert not d.choose_launch(128, 16 * 256, 16, NO_COOP, out_entries=entries).fill_grid
+    with pytest.raises(d.LaunchRefused, match="resident"):
+        d.check_launch(dataclasses.replace(launch, grid=H200.sm_count + 1,
+                                           fill_grid=H200.sm_count), 128, [(16 * 256, 16)], H200)
 
 
 def test_guard_refuses_a_cooperative_grid_that_cannot_be_resident():
@@ -708,8 +703,7 @@ def test_kernel_constants_match_the_cuda_source():
 
     src = _kernels.source()
     defined = dict(re.findall(r"^#define (\w+) (\d+)", src, flags=re.M))
-    for name in ("ITEMS_PER_THREAD", "TINY_ITEMS", "TINY_BUCKETS", "TINY_DET_COUNTERS",
-                 "WARP_ROUTES", "COOP_ITEMS",
+    for name in ("ITEMS_PER_THREAD", "TINY_ITEMS", "TINY_BUCKETS", "WARP_ROUTES", "COOP_ITEMS",
                  "CLUSTER_BLOCKS", "CLUSTER_ITEMS", "ORDER_ITEMS", "ORDER_DIGITS_MAX",
                  "MODE_SHARED", "MODE_GLOBAL", "MODE_DETERMINISTIC"):
         assert int(defined[name]) == getattr(d, name), name

@@ -96,7 +96,7 @@ def test_fused_decode_with_and_without_tiny(T, E, K, B, L):
 @pytest.mark.parametrize("fill", [True, False], ids=["fill_blocks", "no_fill_blocks"])
 @pytest.mark.parametrize("T,E,K,B,L", [(16, 256, 8, 16, 16), (5, 64, 8, 16, 16),
                                        (64, 128, 8, 16, 4), (255, 64, 8, 16, 16),
-                                       (5, 64, 8, 128, 33), (200, 256, 8, 16, 16)])
+                                       (5, 64, 8, 128, 33)])
 def test_fused_tiny_pair_with_and_without_fill_blocks(T, E, K, B, L, fill, det):
     """The fused tiny pair with its LoRA side's fill blocks (blocks 2.. of a cooperative
     launch) and without, each asked for by its policy, also one block up to any fill size;
