@@ -581,6 +581,13 @@ EAGER_LORA_EXTRA = 3
 DECODE_TOKENS = 64
 
 
+def row_label(r):
+    """A benchmark row as the target checks name it: op, T, E, slots, routing."""
+    return (f"{r['op']} T={r['tokens']} E={r['num_experts']}"
+            + (f" L={r['max_loras']}" if r.get("max_loras") else "")
+            + f" {r.get('routing', 'uniform')}")
+
+
 def eager_target_misses(results):
     """``(cells checked, [text of each miss])`` of the eager table against EAGER_TARGETS."""
     checked, misses = 0, []
@@ -590,8 +597,7 @@ def eager_target_misses(results):
         if plan is None:
             continue
         extra = 0 if r["op"] == "base" else EAGER_LORA_EXTRA
-        where = (f"{r['op']} T={r['tokens']} E={r['num_experts']} "
-                 f"{r.get('routing', 'uniform')}")
+        where = row_label(r)
         for path, (cap, over) in EAGER_TARGETS.items():
             us = eager.get(path)
             if us is None:
@@ -639,9 +645,7 @@ def graph_target_misses(results):
     for r in results:
         if r["op"] == "pair" or r.get("graph_us") is None:
             continue
-        where = (f"{r['op']} T={r['tokens']} E={r['num_experts']}"
-                 + (f" L={r['max_loras']}" if r.get("max_loras") else "")
-                 + f" {r.get('routing', 'uniform')}")
+        where = row_label(r)
         target = graph_target(r)
         if target is not None:
             checked += 1

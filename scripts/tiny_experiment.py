@@ -141,6 +141,32 @@ RUNS = [  # name, AlignPolicy fields, kernel sources (None: the package's), one 
     ("no fill blocks no cluster", {"cluster_min_routes": 1 << 30,
                                    "coop_fill_blocks_from": 1 << 62}, None, False, False)]
 
+VARIANT_FLAGS = {"1", "det", "default"}
+
+
+def parse_variant(spec):
+    """``--variant NAME=DIR[:1][:det][:default]`` as a RUNS entry: the kernel sources in DIR
+    without fill blocks (unless ``default``: the default policy), a thread per bucket only
+    (``1``), deterministic (``det``)."""
+    name, rest = spec.split("=", 1)
+    directory, *flags = rest.split(":")
+    if not name or not set(flags) <= VARIANT_FLAGS:
+        raise ValueError(f"--variant {spec!r}: NAME=DIR[:1][:det][:default]")
+    return (name, {} if "default" in flags else ONE, Path(directory).resolve(), "1" in flags,
+            "det" in flags)
+
+
+def parse_run(spec):
+    """``--run NAME=FIELD=INT,...[:det]`` as a RUNS entry: the package's kernels under those
+    AlignPolicy fields."""
+    name, fields = spec.split("=", 1)
+    fields, _, det = fields.partition(":")
+    if not name or det not in ("", "det"):
+        raise ValueError(f"--run {spec!r}: NAME=FIELD=INT,...[:det]")
+    settings = {k: int(v) for k, v in (f.split("=") for f in fields.split(","))}
+    return (name, settings, None, False, det == "det")
+
+
 def medians_in_turns(names, time_run, turns=3):
     """One case's µs under each named run, the runs taking turns ``turns`` times so drift hits
     all alike: ``(medians, every time)``. ``time_run(name)`` returns µs, or None where the
@@ -177,16 +203,7 @@ def main():
     report = {}
     keep = args.runs.split(",") if args.runs else [r[0] for r in RUNS]
     runs = [r for r in RUNS if r[0] in keep]
-    for v in args.variant:
-        name, spec = v.split("=", 1)
-        directory, *flags = spec.split(":")
-        runs.append((name, {} if "default" in flags else ONE, Path(directory).resolve(),
-                     "1" in flags, "det" in flags))
-    for spec in args.run:
-        name, fields = spec.split("=", 1)
-        fields, _, det = fields.partition(":")
-        settings = {k: int(v) for k, v in (f.split("=") for f in fields.split(","))}
-        runs.append((name, settings, None, False, det == "det"))
+    runs += [parse_variant(v) for v in args.variant] + [parse_run(r) for r in args.run]
     if args.baseline:
         runs.append(("base tiny", ONE, args.baseline.resolve(), True, False))
     print(f"{'case':40s} " + " ".join(f"{n:>10s}" for n, _, _, _, _ in runs)

@@ -90,15 +90,14 @@ def test_the_next_rounds_ab_lines_name_runs_and_cases_that_exist(experiment, mon
         for i, word in enumerate(args):
             if word == "--variant":
                 name, spec = args[i + 1].split("=", 1)
-                assert name and set(spec.split(":")[1:]) <= {"1", "det", "default"}, line
+                assert name and set(spec.split(":")[1:]) <= experiment.VARIANT_FLAGS, line
+                experiment.parse_variant(args[i + 1])
             if word == "--run":  # as tiny_experiment parses it
-                name, fields = args[i + 1].split("=", 1)
-                fields, _, det = fields.partition(":")
-                assert name and det in ("", "det"), line
-                policy = mla.AlignPolicy(**{k: int(v) for k, v in
-                                            (f.split("=") for f in fields.split(","))})
+                name, settings, _, _, det = experiment.parse_run(args[i + 1])
+                assert name, line
+                policy = mla.AlignPolicy(**settings)
                 for case in kept:
-                    _dispatch_case(case, policy, det == "det", monkeypatch)
+                    _dispatch_case(case, policy, det, monkeypatch)
 
 
 @pytest.mark.emulator
