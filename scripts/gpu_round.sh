@@ -24,6 +24,7 @@
 #              scripts/ab_runs.txt, where the next round's A/B runs are listed: its arguments,
 #              quoted as in a shell; '#' lines are comments); AB_PICK: the line numbers to run
 #              (counting argument lines only, from 1; default all); AB_S: seconds each.
+#              A line "tree=DIR ARGS" runs DIR's script and package (another commit's tree).
 #              Into ab.txt, and the results of every line into ab.json
 # Old spellings: quick = tests memcheck racecheck bench; full = the same with benchfull.
 set -u
@@ -131,8 +132,13 @@ for s in $STEPS; do
         n=$((n + 1))
         if [ -n "${AB_PICK:-}" ] && ! [[ " $AB_PICK " == *" $n "* ]]; then continue; fi
         step "A/B $n: $line" | tee -a "$OUT/ab.txt"
+        # "tree=DIR ARGS": DIR's own package and script (another commit's whole tree, carried
+        # in: its host side with its kernels); paths in ARGS stay relative to this root
+        tree=.
+        case $line in tree=*) tree=${line%% *}; tree=${tree#tree=}; line=${line#* } ;; esac
         eval "args=($line)"
-        timeout ${AB_S:-300} python3 scripts/tiny_experiment.py "${args[@]}" \
+        PYTHONPATH=$tree${PYTHONPATH:+:$PYTHONPATH} \
+        timeout ${AB_S:-300} python3 $tree/scripts/tiny_experiment.py "${args[@]}" \
           --json "/tmp/ab$n.json" < /dev/null 2>&1 | tee -a "$OUT/ab.txt" | tail -30
         echo "ab$n rc=${PIPESTATUS[0]}"
       done < "${AB_FILE:-scripts/ab_runs.txt}"
