@@ -61,11 +61,12 @@ struct Problem {
 // Stage timestamps for scripts/stage_probe.py, compiled in only with -DMLA_PROBE: thread 0 of
 // each block records (SM clock, global nanosecond timer) at MLA_STAMP(kernel, stage) points.
 // Kernel slots: 0 single block, 1 count, 2 place, 3 cooperative, 4 cluster, 5 order, 6 the
-// deterministic cluster kernel's ranking steps.
+// deterministic cluster kernel's ranking steps, 7 fill blocks (fill_and_arrive).
 #ifdef MLA_PROBE
+#define MLA_PROBE_SLOTS 8
 #define MLA_PROBE_BLOCKS 160
 #define MLA_PROBE_STAGES 8
-__device__ unsigned long long mla_probe[7 * MLA_PROBE_BLOCKS * MLA_PROBE_STAGES * 2];
+__device__ unsigned long long mla_probe[MLA_PROBE_SLOTS * MLA_PROBE_BLOCKS * MLA_PROBE_STAGES * 2];
 __device__ __forceinline__ void mla_stamp(int kernel, int stage) {
   if (threadIdx.x == 0 && blockIdx.x < MLA_PROBE_BLOCKS) {
     unsigned long long g;

@@ -83,14 +83,19 @@ __device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
 // block that has not started). The fill's stores then drain beside the aligning blocks'
 // chain of round trips instead of ahead of it.
 __device__ void fill_and_arrive(const Problem& p, int fill_block, bool tiles, unsigned* arrivals) {
+  MLA_STAMP(7, 0);
   unsigned char* processed = dynamic_smem;
   mark_processed_rows(p, processed);
+  MLA_STAMP(7, 1);
   const int tid = fill_block * blockDim.x + threadIdx.x, nthreads = p.fill_blocks * blockDim.x;
   fill_rows(p, processed, p.sorted_ids, p.sorted_pitch, p.padded_len, p.numel, tid, nthreads);
   if (tiles) fill_tile_ids(p, processed, tid, nthreads);
+  MLA_STAMP(7, 2);
   __syncthreads();
+  MLA_STAMP(7, 3);
   if (threadIdx.x == 0) {
     __threadfence();
+    MLA_STAMP(7, 4);  // the block's stores visible (the waiting block sees the arrival after)
     atomicAdd(arrivals, 1u);
   }
 }

@@ -233,6 +233,7 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
     if (first + q < nb) starts[first + q] = start[q];
   if (tid == 0) starts[nb] = total;
   if (!fills && tid == 0) {
+    MLA_STAMP(0, 6);  // scanned: block 0 starts to wait for the fill blocks
     // Every fill block's stores before the ones below that overwrite them; then the count
     // goes back to zero for the next call (all fill blocks have arrived).
     while (load_acquire(p.ticket) < (unsigned)p.fill_blocks) {

@@ -2,6 +2,8 @@
 limits to a launch that the launch guard accepts: a run whose policy leads nowhere shows
 here, on the host, and not as lost minutes on the GPU machine."""
 
+import importlib
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -17,18 +19,22 @@ SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 H200 = _dispatch.DeviceLimits.h200()
 
 
-@pytest.fixture(scope="module")
-def experiment():
+def _load_script(name):
+    """scripts/NAME.py imported on the host, CuPy mocked (nothing runs on a GPU)."""
     fake = mock.MagicMock(name="cupy")
     with mock.patch.dict(sys.modules, {"cupy": fake, "cupy.cuda": fake}):
         sys.path.insert(0, str(SCRIPTS))
         try:
-            sys.modules.pop("tiny_experiment", None)
-            import tiny_experiment
+            sys.modules.pop(name, None)
+            return importlib.import_module(name)
         finally:
             sys.path.remove(str(SCRIPTS))
-            sys.modules.pop("tiny_experiment", None)
-    return tiny_experiment
+            sys.modules.pop(name, None)
+
+
+@pytest.fixture(scope="module")
+def experiment():
+    return _load_script("tiny_experiment")
 
 
 def _job(T, K, E, B, rows, det):
@@ -159,3 +165,19 @@ def test_every_run_computes_every_small_case_on_the_emulator(experiment):
                 raise AssertionError(f"run {name!r}, case {(op, T, E, K, B, L)}: {e}") from e
             checked += 1
     assert checked > 100
+
+
+def test_stage_probe_reads_every_stamp_the_kernels_write():
+    """scripts/stage_probe.py names a kernel slot and a stage for every MLA_STAMP(slot,
+    stage) in kernels/, and reads the probe buffer with the kernels' shape (slots, blocks,
+    stages): a stamp it does not name would be dropped from the printout unseen."""
+    probe = _load_script("stage_probe")
+    kernels = SCRIPTS.parent / "kernels"
+    source = "\n".join(f.read_text() for f in sorted(kernels.glob("*.cu*")))
+    sizes = {name: int(v) for name, v in re.findall(r"#define (MLA_PROBE_\w+) (\d+)", source)}
+    assert probe.SLOTS == sizes["MLA_PROBE_SLOTS"] == len(probe.KERNEL) == len(probe.STAGES)
+    assert sizes["MLA_PROBE_BLOCKS"] == 160 and sizes["MLA_PROBE_STAGES"] == 8  # probe_run's
+    stamps = {(int(k), int(s)) for k, s in re.findall(r"MLA_STAMP\((\d+), (\d+)\)", source)}
+    assert stamps
+    for slot, stage in stamps:
+        assert stage < len(probe.STAGES[slot]) <= sizes["MLA_PROBE_STAGES"], (slot, stage)
