@@ -134,10 +134,12 @@ for s in $STEPS; do
         step "A/B $n: $line" | tee -a "$OUT/ab.txt"
         # "tree=DIR ARGS": DIR's own package and script (another commit's whole tree, carried
         # in: its host side with its kernels); paths in ARGS stay relative to this root
-        tree=.
-        case $line in tree=*) tree=${line%% *}; tree=${tree#tree=}; line=${line#* } ;; esac
+        tree=. path=${PYTHONPATH:-}
+        case $line in tree=*)
+          tree=${line%% *}; tree=${tree#tree=}; line=${line#* }; path=$tree${path:+:$path} ;;
+        esac
         eval "args=($line)"
-        PYTHONPATH=$tree${PYTHONPATH:+:$PYTHONPATH} \
+        PYTHONPATH=$path \
         timeout ${AB_S:-300} python3 $tree/scripts/tiny_experiment.py "${args[@]}" \
           --json "/tmp/ab$n.json" < /dev/null 2>&1 | tee -a "$OUT/ab.txt" | tail -30
         echo "ab$n rc=${PIPESTATUS[0]}"

@@ -98,7 +98,8 @@ STAGES = {0: ["entry", "rows+fill", "claim", "scan", "stores", "end", "wait from
           7: ["entry", "rows", "stores issued", "block issued", "fenced"]}
 KERNEL = {0: "single", 1: "count", 2: "place", 3: "coop", 4: "cluster", 5: "order",
           6: "cl det", 7: "fill"}
-SLOTS = len(KERNEL)  # kernels/align_common.cuh: mla_probe's kernel slots
+# kernels/align_common.cuh: mla_probe's shape (MLA_PROBE_SLOTS, _BLOCKS, _STAGES)
+SLOTS, PROBE_BLOCKS, PROBE_STAGES = len(KERNEL), 160, 8
 
 
 def floor_ladder(stream):
@@ -173,10 +174,12 @@ def reload_kernels(options):
 
 def probe_run(fn, stream):
     """Run ``fn`` once on ``stream`` (its kernels loaded already) with every probe buffer
-    zeroed, and return what the probes hold after it: a [SLOTS, 160, 8, 2] int64 array.
+    zeroed, and return what the probes hold after it: a [SLOTS, PROBE_BLOCKS, PROBE_STAGES,
+    2] int64 array.
     Each kernel is a module of its own with its own copy of the mla_probe global; entries a
     kernel did not write stay 0 in its copy, so the elementwise max merges them."""
-    bufs = [cupy.ndarray((SLOTS, 160, 8, 2), np.uint64, module.get_global("mla_probe"))
+    shape = (SLOTS, PROBE_BLOCKS, PROBE_STAGES, 2)
+    bufs = [cupy.ndarray(shape, np.uint64, module.get_global("mla_probe"))
             for ks in _kernels.loaded_sets() for module in ks.modules.values()]
     for buf in bufs:
         buf.fill(0)
@@ -197,9 +200,10 @@ def stamps(stream):
         b = probe_run(fn, stream)
         raw[str(case)] = b.tolist()
         lines.append(f"{case}")
-        t0 = min(b[k, blk, 0, 1] for k in range(SLOTS) for blk in range(160) if b[k, blk, 0, 1])
+        t0 = min(b[k, blk, 0, 1] for k in range(SLOTS) for blk in range(PROBE_BLOCKS)
+                 if b[k, blk, 0, 1])
         for k in range(SLOTS):
-            blocks = [blk for blk in range(160) if b[k, blk, 0, 0]]
+            blocks = [blk for blk in range(PROBE_BLOCKS) if b[k, blk, 0, 0]]
             if not blocks:
                 continue
             names = STAGES[k]

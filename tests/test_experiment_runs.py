@@ -176,7 +176,8 @@ def test_stage_probe_reads_every_stamp_the_kernels_write():
     source = "\n".join(f.read_text() for f in sorted(kernels.glob("*.cu*")))
     sizes = {name: int(v) for name, v in re.findall(r"#define (MLA_PROBE_\w+) (\d+)", source)}
     assert probe.SLOTS == sizes["MLA_PROBE_SLOTS"] == len(probe.KERNEL) == len(probe.STAGES)
-    assert sizes["MLA_PROBE_BLOCKS"] == 160 and sizes["MLA_PROBE_STAGES"] == 8  # probe_run's
+    assert sizes["MLA_PROBE_BLOCKS"] == probe.PROBE_BLOCKS == 160
+    assert sizes["MLA_PROBE_STAGES"] == probe.PROBE_STAGES == 8
     stamps = {(int(k), int(s)) for k, s in re.findall(r"MLA_STAMP\((\d+), (\d+)\)", source)}
     assert stamps
     for slot, stage in stamps:
