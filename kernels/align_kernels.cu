@@ -76,28 +76,77 @@ __device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
   return v;
 }
 
-// A fill block: the sentinel fill of the written rows (and with `tiles`, -1 in their tiles)
-// over fill blocks [0, p.fill_blocks) of this launch, then one arrival at `arrivals`. The
-// blocks that align wait for every arrival before they store what overwrites the fill (both
-// launches with fill blocks are cooperative: every block is resident, so none waits for a
-// block that has not started). The fill's stores then drain beside the aligning blocks'
-// chain of round trips instead of ahead of it.
-__device__ void fill_and_arrive(const Problem& p, int fill_block, bool tiles, unsigned* arrivals) {
+// A fill block of align_cooperative: the sentinel fill of the written rows over fill blocks
+// [0, p.fill_blocks) of this launch, then one arrival at `arrivals`. The counting blocks wait
+// for every arrival at their grid barrier, before they store what overwrites the fill (the
+// launch is cooperative: every block is resident, so none waits for a block that has not
+// started). The fill's stores then drain beside the counting blocks' chain of round trips
+// instead of ahead of it.
+__device__ void fill_and_arrive(const Problem& p, int fill_block, unsigned* arrivals) {
   MLA_STAMP(7, 0);
   unsigned char* processed = dynamic_smem;
   mark_processed_rows(p, processed);
   MLA_STAMP(7, 1);
   const int tid = fill_block * blockDim.x + threadIdx.x, nthreads = p.fill_blocks * blockDim.x;
   fill_rows(p, processed, p.sorted_ids, p.sorted_pitch, p.padded_len, p.numel, tid, nthreads);
-  if (tiles) fill_tile_ids(p, processed, tid, nthreads);
   MLA_STAMP(7, 2);
   __syncthreads();
   MLA_STAMP(7, 3);
   if (threadIdx.x == 0) {
     __threadfence();
-    MLA_STAMP(7, 4);  // the block's stores visible (the waiting block sees the arrival after)
+    MLA_STAMP(7, 4);  // the block's stores visible (the waiting blocks see the arrival after)
     atomicAdd(arrivals, 1u);
   }
+}
+
+// A fill block of align_tiny_filled: the fill past each written row's split (fill_split) in
+// sorted_ids and expert_ids, over fill blocks [0, p.fill_blocks) of this launch. Each row's
+// first store goes to the thread after the previous row's last, as in fill_rows. Block 0
+// writes before the splits, so nothing here waits or is waited for.
+__device__ void fill_past_splits(const Problem& p, int fill_block) {
+  __shared__ int row_tokens[SPLIT_ROWS];
+  MLA_STAMP(7, 0);
+  unsigned char* processed = dynamic_smem;
+  const TokenSlots slots = load_token_slots(p, row_tokens);
+  mark_processed_rows(p, processed);  // and its barrier
+  add_row_tokens(p, slots, row_tokens);
+  __syncthreads();
+  MLA_STAMP(7, 1);
+  const int tid = fill_block * blockDim.x + threadIdx.x, nthreads = p.fill_blocks * blockDim.x;
+  const int len = p.padded_len, M = p.num_tiles;
+  const bool vec = ((p.sorted_pitch & 3) == 0) &&
+                   ((reinterpret_cast<unsigned long long>(p.sorted_ids) & 15) == 0);
+  const int units = vec ? len >> 2 : len;
+  const int4 sentinel = make_int4(p.numel, p.numel, p.numel, p.numel);
+  int offset = 0;
+#pragma unroll 1
+  for (int r = 0; r < p.rows; ++r) {
+    if (!row_written(p, processed, r)) continue;
+    const int from = fill_split(p, processed[r] != 0, row_tokens, r).x;  // 4k, or len
+    const int first = vec ? from >> 2 : from;
+    int* row = p.sorted_ids + (long long)r * p.sorted_pitch;
+    int k = tid - offset;
+    if (k < 0) k += nthreads;
+#pragma unroll 1
+    for (k += first; k < units; k += nthreads) {
+      if (vec) reinterpret_cast<int4*>(row)[k] = sentinel;
+      else row[k] = p.numel;
+    }
+    if (vec)
+      for (int q = max(4 * units, from) + tid; q < len; q += nthreads) row[q] = p.numel;
+    offset = (offset + units - first) % nthreads;
+  }
+#pragma unroll 1
+  for (int k = tid; k < p.rows * M; k += nthreads) {
+    const int r = fast_div(k, p.tiles_magic, p.tiles_shift), t = k - r * M;
+    if (row_written(p, processed, r) && t >= fill_split(p, processed[r] != 0, row_tokens, r).y)
+      p.expert_ids[(long long)r * p.expert_pitch + t] = -1;
+  }
+  MLA_STAMP(7, 2);
+#ifdef MLA_PROBE
+  __syncthreads();
+  MLA_STAMP(7, 3);
+#endif
 }
 
 // The kernels, by launch shape.

@@ -358,11 +358,11 @@ def test_lora_cooperative_with_and_without_fill_blocks(E, T, rows, det, how):
                    policy=COOP_FILL[how], allocate=salt == 1, disabled=1 + salt)
 
 
-# align_tiny with fill blocks (blocks past the first write the sentinel fill and the tiles'
-# -1; block 0 waits for them before its stores) and without, each asked for by its policy
-# (one block up to any fill size): base and LoRA, free order and deterministic, a thread a
-# bucket and four, just past one warp's routes, more than 32 rows, listed, disabled and
-# unprocessed rows (allocated outputs fill them), an expert map.
+# align_tiny with fill blocks (blocks past the first write each row's sentinel fill and tile
+# -1s past the row's split, block 0 the part before it) and without, each asked for by its
+# policy (one block up to any fill size): base and LoRA, free order and deterministic, a
+# thread a bucket and four, just past one warp's routes, SPLIT_ROWS rows and one more (no fill
+# blocks), listed, disabled and unprocessed rows (allocated outputs fill them), an expert map.
 BIG_SINGLE = 1 << 30
 TINY_FILL = {"tiny_fill_blocks": mla.AlignPolicy(tiny_fill_blocks_from=0,
                                                   coop_over_single_entries=BIG_SINGLE,
@@ -378,7 +378,8 @@ def _tiny_fill_launch(numel, buckets, rows, det, how):
                                          policy=TINY_FILL[how])
     if not (launch.kind == "single" and launch.tiny):
         pytest.skip(f"{numel} routes over {buckets} buckets are not align_tiny's")
-    assert bool(launch.fill_grid) == (how == "tiny_fill_blocks" and numel > WARP_ROUTES)
+    assert bool(launch.fill_grid) == (how == "tiny_fill_blocks" and numel > WARP_ROUTES
+                                  and rows <= mla._dispatch.SPLIT_ROWS)
 
 
 @pytest.mark.parametrize("how", list(TINY_FILL))
@@ -395,7 +396,7 @@ def test_base_tiny_with_and_without_fill_blocks(E, T, K, det, how):
 @pytest.mark.parametrize("how", list(TINY_FILL))
 @pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
 @pytest.mark.parametrize("E,T,rows", [(64, 5, 16), (256, 16, 16), (64, 16, 16), (256, 255, 16),
-                                      (64, 64, 4), (7, 100, 33), (128, 2, 16)])
+                                      (64, 64, 4), (7, 100, 32), (7, 100, 33), (128, 2, 16)])
 def test_lora_tiny_with_and_without_fill_blocks(E, T, rows, det, how):
     _tiny_fill_launch(T * 8, rows * E, rows, det, how)
     for salt in range(3):
