@@ -499,8 +499,14 @@ struct TokenSlots {
   int slot[SPLIT_TOKENS];
 };
 
-// Zeroes the row token counts (shared [SPLIT_ROWS]) and loads this thread's token slots; a
-// barrier orders this before add_row_tokens.
+// The rows' token counts, in shared memory: the row region's slot list, which
+// mark_processed_rows uses only past 32 rows (the counts only up to SPLIT_ROWS).
+__device__ __forceinline__ int* row_token_counts(const Problem& p, unsigned char* processed) {
+  return reinterpret_cast<int*>(processed + ((p.rows + 3) & ~3));
+}
+
+// Zeroes the row token counts and loads this thread's token slots; a barrier orders this
+// before add_row_tokens.
 __device__ __forceinline__ TokenSlots load_token_slots(const Problem& p, int* row_tokens) {
   TokenSlots s;
   const int tokens = p.token_slot == nullptr ? 0 : fast_div(p.numel, p.topk_magic, p.topk_shift);
@@ -509,7 +515,7 @@ __device__ __forceinline__ TokenSlots load_token_slots(const Problem& p, int* ro
     const int t = j * blockDim.x + threadIdx.x;
     s.slot[j] = t < tokens ? p.token_slot[t] : -1;
   }
-  if (threadIdx.x < SPLIT_ROWS) row_tokens[threadIdx.x] = 0;
+  if (p.rows <= SPLIT_ROWS && (int)threadIdx.x < p.rows) row_tokens[threadIdx.x] = 0;
   return s;
 }
 

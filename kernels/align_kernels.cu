@@ -104,9 +104,9 @@ __device__ void fill_and_arrive(const Problem& p, int fill_block, unsigned* arri
 // first store goes to the thread after the previous row's last, as in fill_rows. Block 0
 // writes before the splits, so nothing here waits or is waited for.
 __device__ void fill_past_splits(const Problem& p, int fill_block) {
-  __shared__ int row_tokens[SPLIT_ROWS];
   MLA_STAMP(7, 0);
   unsigned char* processed = dynamic_smem;
+  int* row_tokens = row_token_counts(p, processed);
   const TokenSlots slots = load_token_slots(p, row_tokens);
   mark_processed_rows(p, processed);  // and its barrier
   add_row_tokens(p, slots, row_tokens);

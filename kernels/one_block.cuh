@@ -150,7 +150,7 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
   // With fill blocks (FILLED and p.fill_blocks > 0) they write each row's fill past its split
   // and this block the part before it; the LoRA split needs the rows' token counts.
   const bool fills = !FILLED || p.fill_blocks == 0;
-  __shared__ int row_tokens[SPLIT_ROWS];  // FILLED only (unused elsewhere: compiled away)
+  int* row_tokens = row_token_counts(p, processed);
   TokenSlots token_slots;
   if (FILLED && !BASE && !fills) token_slots = load_token_slots(p, row_tokens);
   if (DET) {  // the counts come from the warp counters, which start at zero

@@ -1,5 +1,5 @@
-"""Every kernel instantiation compiles with NVRTC for sm_80 and sm_90, without a GPU, unspilled,
-as the package compiles it: alone.
+"""Every kernel instantiation compiles with NVRTC for sm_80 and sm_90, without a GPU, unspilled
+and within the static shared memory the dispatcher keeps, as the package compiles it: alone.
 
 Uses cuda.core's Program (no device needed), the same source text and name expressions the
 package hands to CuPy at run time.
@@ -13,7 +13,7 @@ import struct
 import numpy as np
 import pytest
 
-from moe_lora_align import _kernels
+from moe_lora_align import _dispatch, _kernels
 
 cuda_core = pytest.importorskip("cuda.core", reason="cuda-core (the test extra) is not installed")
 pytestmark = pytest.mark.nvrtc
@@ -52,6 +52,10 @@ def test_every_kernel_compiles_alone_without_spills(arch, dtype):
         for fn, stack, spill_st, spill_ld in props:
             assert (int(spill_st), int(spill_ld)) == (0, 0), f"{fn} spills on {arch}:\n{log}"
             assert int(stack) == 0, f"{fn} uses a {stack}-byte stack frame on {arch}"
+        # static shared memory within what the dispatcher keeps for it (the package refuses
+        # to load a kernel past it: _kernels.KernelSet)
+        for smem in re.findall(r"(\d+) bytes smem", log):
+            assert int(smem) <= _dispatch.SMEM_SLACK, f"{name}: {smem} bytes static smem on {arch}"
 
 
 def _sections(cubin: bytes) -> dict:
