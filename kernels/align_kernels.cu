@@ -100,8 +100,9 @@ __device__ void fill_and_arrive(const Problem& p, int fill_block, unsigned* arri
 }
 
 // A fill block of align_tiny_filled: the fill past each written row's split (fill_split) in
-// sorted_ids and expert_ids, over fill blocks [0, p.fill_blocks) of this launch. Each row's
-// first store goes to the thread after the previous row's last, as in fill_rows. Block 0
+// sorted_ids and expert_ids, over fill blocks [0, p.fill_blocks) of this launch. Each row
+// goes to a group of warps of all the fill blocks, as align_tiny's short rows do: a loop over
+// every row in every thread cost each thread the rows' setup, on 32 warps an SM. Block 0
 // writes before the splits, so nothing here waits or is waited for.
 __device__ void fill_past_splits(const Problem& p, int fill_block) {
   MLA_STAMP(7, 0);
@@ -112,35 +113,27 @@ __device__ void fill_past_splits(const Problem& p, int fill_block) {
   add_row_tokens(p, slots, row_tokens);
   __syncthreads();
   MLA_STAMP(7, 1);
-  const int tid = fill_block * blockDim.x + threadIdx.x, nthreads = p.fill_blocks * blockDim.x;
-  const int len = p.padded_len, M = p.num_tiles;
+  const int nwarps = blockDim.x >> 5, warps = p.fill_blocks * nwarps;
+  const int gwarp = fill_block * nwarps + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+  const int group = p.rows >= warps ? 1 : warps / p.rows;  // warps a row
+  const int row0 = gwarp / group, from = (gwarp - row0 * group) * 32 + lane, step = 32 * group;
   const bool vec = ((p.sorted_pitch & 3) == 0) &&
                    ((reinterpret_cast<unsigned long long>(p.sorted_ids) & 15) == 0);
-  const int units = vec ? len >> 2 : len;
   const int4 sentinel = make_int4(p.numel, p.numel, p.numel, p.numel);
-  int offset = 0;
 #pragma unroll 1
-  for (int r = 0; r < p.rows; ++r) {
+  for (int r = row0; r < p.rows; r += warps / group) {  // a last, partial group idles
     if (!row_written(p, processed, r)) continue;
-    const int from = fill_split(p, processed[r] != 0, row_tokens, r).x;  // 4k, or len
-    const int first = vec ? from >> 2 : from;
+    const int2 split = fill_split(p, processed[r] != 0, row_tokens, r);  // x: 4k or P
     int* row = p.sorted_ids + (long long)r * p.sorted_pitch;
-    int k = tid - offset;
-    if (k < 0) k += nthreads;
+    const int units = vec ? p.padded_len >> 2 : 0;
 #pragma unroll 1
-    for (k += first; k < units; k += nthreads) {
-      if (vec) reinterpret_cast<int4*>(row)[k] = sentinel;
-      else row[k] = p.numel;
-    }
-    if (vec)
-      for (int q = max(4 * units, from) + tid; q < len; q += nthreads) row[q] = p.numel;
-    offset = (offset + units - first) % nthreads;
-  }
+    for (int k = (vec ? split.x >> 2 : 0) + from; k < units; k += step)
+      reinterpret_cast<int4*>(row)[k] = sentinel;
 #pragma unroll 1
-  for (int k = tid; k < p.rows * M; k += nthreads) {
-    const int r = fast_div(k, p.tiles_magic, p.tiles_shift), t = k - r * M;
-    if (row_written(p, processed, r) && t >= fill_split(p, processed[r] != 0, row_tokens, r).y)
-      p.expert_ids[(long long)r * p.expert_pitch + t] = -1;
+    for (int k = max(4 * units, split.x) + from; k < p.padded_len; k += step) row[k] = p.numel;
+#pragma unroll 1
+    for (int k = split.y + from; k < p.num_tiles; k += step)
+      p.expert_ids[(long long)r * p.expert_pitch + k] = -1;
   }
   MLA_STAMP(7, 2);
 #ifdef MLA_PROBE
