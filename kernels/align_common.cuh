@@ -56,6 +56,8 @@ struct Problem {
   int coop_blocks;              // cooperative kernels: blocks aligning this problem
   int fill_blocks;              // blocks of the launch that only fill (align_cooperative's
                                 //   last ones, align_tiny_filled's after the first)
+  int fill_split;               // align_tiny_filled: 1, the fill blocks write past each row's
+                                //   split (fill_split); 0, all of it, and block 0 waits
 };
 
 // Stage timestamps for scripts/stage_probe.py, compiled in only with -DMLA_PROBE: thread 0 of
@@ -485,12 +487,12 @@ __device__ __forceinline__ void fill_tile_ids(const Problem& p, const unsigned c
   }
 }
 
-// align_tiny_filled's fill, split between block 0 and its fill blocks. Row r's segments end
-// at most routes_r * B entries in (a valid route pads its segment by at most B - 1) and its
-// owned tiles at most routes_r tiles in, where routes_r counts every route of the row's tokens,
-// valid or not (the base alignment's one row: every route). Block 0 writes the fill before
-// these bounds and the fill blocks the fill past them: block 0's routes and tiles all land
-// before the bounds, so no block waits for another. The bound rounds up to 4 entries (16-byte
+// align_tiny_filled's fill, split between block 0 and its fill blocks (p.fill_split). Row r's
+// segments end at most routes_r * B entries in (a valid route pads its segment by at most
+// B - 1) and its owned tiles at most routes_r tiles in, where routes_r counts every route of
+// the row's tokens, valid or not (the base alignment's one row: every route). Block 0 writes
+// the fill before these bounds and the fill blocks the fill past them: block 0's routes and
+// tiles all land before the bounds, so no block waits for another. The bound rounds up to 4 entries (16-byte
 // stores on both sides); over SPLIT_ROWS rows it is the row's end (block 0 fills it all).
 #define SPLIT_ROWS 32
 #define SPLIT_TOKENS 4  // token slots a thread loads at once (align_tiny: T <= 4 * blockDim)

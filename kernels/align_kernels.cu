@@ -76,31 +76,32 @@ __device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
   return v;
 }
 
-// A fill block of align_cooperative: the sentinel fill of the written rows over fill blocks
-// [0, p.fill_blocks) of this launch, then one arrival at `arrivals`. The counting blocks wait
-// for every arrival at their grid barrier, before they store what overwrites the fill (the
-// launch is cooperative: every block is resident, so none waits for a block that has not
-// started). The fill's stores then drain beside the counting blocks' chain of round trips
-// instead of ahead of it.
-__device__ void fill_and_arrive(const Problem& p, int fill_block, unsigned* arrivals) {
+// A fill block: the sentinel fill of the written rows (and with `tiles`, -1 in their tiles)
+// over fill blocks [0, p.fill_blocks) of this launch, then one arrival at `arrivals`. The
+// blocks that align wait for every arrival before they store what overwrites the fill (both
+// launches with fill blocks are cooperative: every block is resident, so none waits for a
+// block that has not started). The fill's stores then drain beside the aligning blocks'
+// chain of round trips instead of ahead of it.
+__device__ void fill_and_arrive(const Problem& p, int fill_block, bool tiles, unsigned* arrivals) {
   MLA_STAMP(7, 0);
   unsigned char* processed = dynamic_smem;
   mark_processed_rows(p, processed);
   MLA_STAMP(7, 1);
   const int tid = fill_block * blockDim.x + threadIdx.x, nthreads = p.fill_blocks * blockDim.x;
   fill_rows(p, processed, p.sorted_ids, p.sorted_pitch, p.padded_len, p.numel, tid, nthreads);
+  if (tiles) fill_tile_ids(p, processed, tid, nthreads);
   MLA_STAMP(7, 2);
   __syncthreads();
   MLA_STAMP(7, 3);
   if (threadIdx.x == 0) {
     __threadfence();
-    MLA_STAMP(7, 4);  // the block's stores visible (the waiting blocks see the arrival after)
+    MLA_STAMP(7, 4);  // the block's stores visible (the waiting block sees the arrival after)
     atomicAdd(arrivals, 1u);
   }
 }
 
-// A fill block of align_tiny_filled: the fill past each written row's split (fill_split) in
-// sorted_ids and expert_ids, over fill blocks [0, p.fill_blocks) of this launch. Each row
+// A fill block of align_tiny_filled with p.fill_split: the fill past each written row's
+// split (fill_split) in sorted_ids and expert_ids, over fill blocks [0, p.fill_blocks). Each row
 // goes to a group of warps of all the fill blocks, as align_tiny's short rows do: a loop over
 // every row in every thread cost each thread the rows' setup, on 32 warps an SM. Block 0
 // writes before the splits, so nothing here waits or is waited for.

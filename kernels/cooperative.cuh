@@ -245,7 +245,7 @@ template <typename IdT, int DET>
 __global__ void __launch_bounds__(1024, 1) align_cooperative(const Problem p) {
   const int counting = (int)gridDim.x - p.fill_blocks;
   if ((int)blockIdx.x >= counting)
-    fill_and_arrive(p, (int)blockIdx.x - counting, p.ticket + 4 + (__ldcg(p.ticket) & 1u));
+    fill_and_arrive(p, (int)blockIdx.x - counting, false, p.ticket + 4 + (__ldcg(p.ticket) & 1u));
   else
     align_cooperatively<IdT, DET>(p, blockIdx.x, counting);
 }

@@ -20,7 +20,7 @@ TINY_BUCKETS = 4              # TINY_BUCKETS: align_tiny's buckets a thread when
                               #   outnumber threads
 WARP_ROUTES = 32              # WARP_ROUTES: align_tiny places at most this many routes
                               #   (of at most 32 rows) on one warp (align_warp)
-SPLIT_ROWS = 32               # SPLIT_ROWS: align_tiny_filled's fill blocks take rows up to this
+SPLIT_ROWS = 32               # SPLIT_ROWS: align_tiny_filled splits the fill for rows up to this
 COOP_ITEMS = 8                # COOP_ITEMS: the cooperative kernels' routes a thread, at most
 FILL_SPLIT_BLOCK = BLOCK // 2  # threads of each block of a cooperative launch with fill blocks
                               #   (two blocks an SM: __launch_bounds__(BLOCK, 1) keeps a
@@ -83,8 +83,11 @@ class AlignPolicy:
     coop_fill_blocks_free_routes: int = 196608
     coop_fill_blocks_free_below: int = 655360
     # From this many output entries align_tiny (past one warp's routes) gets fill blocks:
-    # a block per fill_per_block entries writes the fill while block 0 counts.
+    # a block per fill_per_block entries writes the fill while block 0 counts. Up to the
+    # second figure's routes they write each row's fill past its tokens' bound and block 0
+    # the rest after its scan (no block waits); above, all of it, and block 0 waits for them.
     tiny_fill_blocks_from: int = 32768
+    tiny_split_fill_routes: int = 512
     chunk_matrix_budget: int = 1 << 18   # entries of the deterministic [chunks, buckets] matrix
 
 
@@ -144,6 +147,7 @@ class Launch:
     fill_grid: int = 0        # cooperative: the grid's last blocks, align_tiny: the blocks
                               #   after the first, which only write the sentinel fill (the
                               #   aligning blocks fill when 0)
+    fill_split: bool = False  # align_tiny's fill blocks write past each row's bound only
     order_grid: int = 0       # > 0: then align_order, this many blocks, sorts every segment
                               #   (deterministic output from the free-order count + place)
     smem_order: int = 0       # dynamic shared bytes of align_order (the sort's scratch)
@@ -297,18 +301,28 @@ def tiny_warp_counter_bytes(numel: int, block: int, num_buckets: int) -> int:
     return 2 * _ceil_div(numel, 32 * items) * (num_buckets + (num_buckets & 1))
 
 
-def tiny_fill_blocks(numel: int, out_entries: int, rows: int, limits: DeviceLimits,
+def tiny_fill_blocks(numel: int, out_entries: int, limits: DeviceLimits,
                      policy: AlignPolicy = DEFAULT_POLICY, aligning: int = 1) -> int:
     """Fill blocks of an align_tiny launch (or of the LoRA side of the fused tiny pair) beside
     its ``aligning`` blocks: one per ``fill_per_block`` output entries from
     ``tiny_fill_blocks_from`` on, the launch within the SMs; none on the one-warp path (which
-    fills itself), over ``SPLIT_ROWS`` rows (where block 0 would write every row's fill: the
-    split needs each row's token count) or where the launch cannot be cooperative. The
-    aligning blocks are then sized without the fill (theirs is at most B entries a route)."""
-    if (not limits.cooperative or numel <= WARP_ROUTES or rows > SPLIT_ROWS
+    fills itself) or where the launch cannot be cooperative (the aligning blocks may wait for
+    the fill blocks, so all must be resident). The aligning blocks are then sized without the
+    fill."""
+    if (not limits.cooperative or numel <= WARP_ROUTES
             or out_entries < policy.tiny_fill_blocks_from):
         return 0
     return max(0, min(limits.sm_count - aligning, _ceil_div(out_entries, policy.fill_per_block)))
+
+
+def splits_fill(numel: int, rows: int, fill_blocks: int,
+                policy: AlignPolicy = DEFAULT_POLICY) -> bool:
+    """align_tiny's ``fill_blocks`` write each row's fill past its tokens' bound (block 0 the
+    rest, nobody waits) rather than all of it (block 0 waits): up to
+    ``tiny_split_fill_routes`` routes, where block 0's part stays short, and ``SPLIT_ROWS``
+    rows (the kernels count each row's tokens in that many counters)."""
+    return (fill_blocks > 0 and numel <= policy.tiny_split_fill_routes
+            and rows <= SPLIT_ROWS)
 
 
 def _single_block(numel, num_buckets, rows, deterministic, limits, out_entries=0,
@@ -317,14 +331,15 @@ def _single_block(numel, num_buckets, rows, deterministic, limits, out_entries=0
         return None
     base = smem_one_block(num_buckets, rows)
     block = single_block_threads(numel, out_entries, num_buckets, policy)
-    fill = tiny_fill_blocks(numel, out_entries, rows, limits, policy) if fill_blocks else 0
+    fill = tiny_fill_blocks(numel, out_entries, limits, policy) if fill_blocks else 0
     tiny = (tiny_block_threads(numel, 0 if fill else out_entries, num_buckets, policy)
             if policy.use_tiny and use_tiny else None)
     if tiny is not None:
         smem = base + (tiny_warp_counter_bytes(numel, tiny, num_buckets) if deterministic else 0)
         if smem <= limits.dynamic_smem:
             return Launch("shared", "single", deterministic, tiny, grid=1 + fill,
-                          smem_single=smem, tiny=True, fill_grid=fill)
+                          smem_single=smem, tiny=True, fill_grid=fill,
+                          fill_split=splits_fill(numel, rows, fill, policy))
     if not deterministic:
         if base > limits.dynamic_smem:
             return None
@@ -714,7 +729,7 @@ def choose_pair(numel: int, base_buckets: int, lora_buckets: int, rows: int,
     loses to the cooperative pair). ``out_entries``: output entries of the LoRA side."""
     # The base side's block writes its own fill; the LoRA side's may have fill blocks (the
     # tiny pair only: blocks 2.. of its launch), and its block is then sized without it.
-    fill = tiny_fill_blocks(numel, out_entries, rows, limits, policy, aligning=2)
+    fill = tiny_fill_blocks(numel, out_entries, limits, policy, aligning=2)
 
     def cooperative_wins(filled: bool) -> bool:
         return (prefer_cooperative and not deterministic and limits.cooperative
@@ -736,7 +751,8 @@ def choose_pair(numel: int, base_buckets: int, lora_buckets: int, rows: int,
                        for nb, r in ((base_buckets, 1), (lora_buckets, rows)))
         if smem <= limits.dynamic_smem:
             return Launch("shared", "single", deterministic, block, grid=2 + fill,
-                          smem_single=smem, tiny=True, fill_grid=fill)
+                          smem_single=smem, tiny=True, fill_grid=fill,
+                          fill_split=splits_fill(numel, rows, fill, policy))
     if fill and cooperative_wins(False):
         return None  # the blocks below have no fill blocks
     if base.tiny or lora.tiny:  # two align_single blocks, each side sized for that kernel
@@ -782,8 +798,8 @@ def launch_kernels(launch, fused: bool = False) -> list:
             "tiny_pair" if launch.tiny else "pair")
         if launch.tiny and launch.fill_grid:
             name += "_filled"  # a kernel apart; align_tiny and align_tiny_pair have none
-        # align_tiny with fill blocks: a cooperative launch, every block resident together
-        # (no block waits for another since the split fill; an ordinary launch is untimed)
+        # align_tiny with fill blocks: cooperative, so that block 0's wait for them returns
+        # (with fill_split no block waits, but an ordinary launch timed the same: r44)
         kernels = [((name, det), launch.grid, launch.block, launch.smem_single,
                     launch.fill_grid > 0)]
     elif launch.kind == "cluster":

@@ -15,8 +15,7 @@ prefill cases), and align_tiny without fill blocks ("no tiny fill blocks", "det 
 blocks", "no coop no tiny fill blocks": block 0 fills first), and the mid band through
 align_tiny (or past its routes the cooperative launch) instead of the cluster, with and
 without fill blocks ("no cluster", "no cluster tiny fill blocks", "no fill blocks no
-cluster"); ``--run NAME=FIELD=INT,...[:det]`` adds a run under those AlignPolicy fields (a NAME that
-ends in " plain": align_tiny's fill-block launches ordinary instead of cooperative).
+cluster"); ``--run NAME=FIELD=INT,...[:det]`` adds a run under those AlignPolicy fields.
 Sources of earlier commits (``--baseline``, ``--variant``) run without fill blocks. With
 ``--baseline`` also align_tiny compiled from the kernel sources in DIR (an earlier commit's
 ``kernels/``, cases it can run: a thread per bucket), and with each ``--variant`` the kernel
@@ -28,7 +27,6 @@ against the NumPy backend first.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
 import sys
@@ -38,7 +36,7 @@ import cupy
 import numpy as np
 
 import moe_lora_align as mla
-from moe_lora_align import _dispatch, _kernels
+from moe_lora_align import _kernels
 from moe_lora_align.bench import check_against_numpy, graph_us, lora_inputs, routing
 from moe_lora_align.testing import segment_starts
 
@@ -169,23 +167,6 @@ def parse_run(spec):
     return (name, settings, None, False, det == "det")
 
 
-@contextlib.contextmanager
-def ordinary_tiny_launches(on):
-    """With ``on``, align_tiny's launches with fill blocks are ordinary ones (no block of
-    align_tiny_filled waits for another since the split fill; the dispatcher's launch stays
-    cooperative until this measures it)."""
-    if not on:
-        yield
-        return
-    listed = _dispatch.launch_kernels
-    _dispatch.launch_kernels = lambda launch, fused=False: [
-        k[:4] + (k[4] and not k[0][0].startswith("tiny"),) for k in listed(launch, fused)]
-    try:
-        yield
-    finally:
-        _dispatch.launch_kernels = listed
-
-
 def medians_in_turns(names, time_run, turns=3):
     """One case's µs under each named run, the runs taking turns ``turns`` times so drift hits
     all alike: ``(medians, every time)``. ``time_run(name)`` returns µs, or None where the
@@ -239,9 +220,7 @@ def main():
             if one_only and E * (L or 1) > 1024:
                 return None  # kernels with a thread per bucket only
             use_kernels(directory)
-            with ordinary_tiny_launches(name.endswith(" plain")):
-                return graph_us(make_call(case, stream, det, mla.AlignPolicy(**settings)),
-                                stream)
+            return graph_us(make_call(case, stream, det, mla.AlignPolicy(**settings)), stream)
 
         med, times = medians_in_turns(list(by_name), time_run, args.turns)
         use_kernels(None)

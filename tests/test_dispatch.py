@@ -612,6 +612,13 @@ def test_tiny_fill_blocks():
     assert launch.kind == "single" and launch.tiny
     assert launch.fill_grid == -(-entries // policy.fill_per_block) and launch.grid == 1 + launch.fill_grid
     assert launch.block == d.tiny_block_threads(128, 0, 16 * 256)
+    # up to tiny_split_fill_routes routes and SPLIT_ROWS rows the fill splits at each row's
+    # bound (nobody waits); past either, block 0 waits for the fill blocks
+    assert launch.fill_split and d.splits_fill(policy.tiny_split_fill_routes, 32, 1)
+    assert not d.splits_fill(policy.tiny_split_fill_routes + 1, 32, 1)
+    assert not d.splits_fill(128, d.SPLIT_ROWS + 1, 1) and not d.splits_fill(128, 16, 0)
+    wide = d.choose_launch(128, 33 * 64, 33, H200, out_entries=entries)
+    assert wide.tiny and wide.fill_grid and not wide.fill_split
     # below the threshold, or one warp's routes: block 0 fills
     for numel, out in ((128, policy.tiny_fill_blocks_from - 1), (d.WARP_ROUTES, 50000)):
         small = d.choose_launch(numel, 16 * 64, 16, H200, out_entries=out)

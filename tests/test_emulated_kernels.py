@@ -467,7 +467,8 @@ def _every_kernel(emu):
                                         (1024, 64, None, "shared", ORDERED),
                                         (1024, 64, None, "global", ORDERED),
                                         (1024, 64, None, "shared", SORTED),
-                                        (40, 64, 4, None, TINY_FILL["tiny_fill_blocks"])]:
+                                        (40, 64, 4, None, TINY_FILL["tiny_fill_blocks"]),
+                                        (40, 64, 4, None, TINY_FILL["tiny_fill_split"])]:
         for det in (False, True):
             if not _refused(variant, det, T * 8, E, 1, policy):
                 _run(emu, Case(T, 8, E, 16, rows=rows, seed=T), det, variant, policy,
@@ -476,7 +477,8 @@ def _every_kernel(emu):
                                (CLUSTER_T, 64, 4, _dispatch.DEFAULT_POLICY),
                                (2048, 64, 4, _dispatch.DEFAULT_POLICY),
                                (2048, 256, 16, _dispatch.DEFAULT_POLICY),
-                               (40, 64, 4, TINY_FILL["tiny_fill_blocks"])]:
+                               (40, 64, 4, TINY_FILL["tiny_fill_blocks"]),
+                               (40, 64, 4, TINY_FILL["tiny_fill_split"])]:
         for det in (False, True):
             base, lora = Case(T, 8, E, 64, seed=T), Case(T, 8, E, 64, rows=rows, seed=T)
             lora.ids[:] = base.ids
@@ -534,9 +536,15 @@ def test_lora_cooperative_with_and_without_fill_blocks(emu, E, T, rows, det, how
 
 
 BIG_SINGLE = 1 << 30
-TINY_FILL = {"tiny_fill_blocks": AlignPolicy(tiny_fill_blocks_from=0,
+# "tiny_fill_blocks": block 0 waits for the fill blocks; "tiny_fill_split": each row's fill
+# split at its tokens' bound, nobody waits (up to SPLIT_ROWS rows; past them, the wait)
+TINY_FILL = {"tiny_fill_blocks": AlignPolicy(tiny_fill_blocks_from=0, tiny_split_fill_routes=0,
                                              coop_over_single_entries=BIG_SINGLE,
                                              coop_over_filled_single_entries=BIG_SINGLE),
+             "tiny_fill_split": AlignPolicy(tiny_fill_blocks_from=0,
+                                            tiny_split_fill_routes=BIG_SINGLE,
+                                            coop_over_single_entries=BIG_SINGLE,
+                                            coop_over_filled_single_entries=BIG_SINGLE),
              "no_tiny_fill_blocks": AlignPolicy(tiny_fill_blocks_from=1 << 62,
                                                 coop_over_single_entries=BIG_SINGLE,
                                                 coop_over_filled_single_entries=BIG_SINGLE)}
@@ -547,8 +555,9 @@ def _tiny_fill_launch(numel, buckets, rows, det, how):
                                      out_entries=numel, policy=TINY_FILL[how])
     if not (launch.kind == "single" and launch.tiny):
         pytest.skip(f"{numel} routes over {buckets} buckets are not align_tiny's")
-    assert bool(launch.fill_grid) == (how == "tiny_fill_blocks" and numel > 32
-                                  and rows <= _dispatch.SPLIT_ROWS)
+    assert bool(launch.fill_grid) == (how != "no_tiny_fill_blocks" and numel > 32)
+    assert launch.fill_split == (how == "tiny_fill_split" and numel > 32
+                                 and rows <= _dispatch.SPLIT_ROWS)
 
 
 @pytest.mark.parametrize("how", list(TINY_FILL))
@@ -584,23 +593,25 @@ def test_tiny_fill_split_at_each_rows_bound(emu, T, K, E, B, rows, kind, det):
     are not a multiple of 4 (the rounding, and rows whose pitch allows no 16-byte stores),
     bounds past the row's end, every route to one expert, invalid ids, and slots in runs (a
     warp's tokens in one slot: one atomic for the run)."""
-    _tiny_fill_launch(T * K, rows * E, rows, det, "tiny_fill_blocks")
+    _tiny_fill_launch(T * K, rows * E, rows, det, "tiny_fill_split")
     for salt in range(2):
         case = Case(T, K, E, B, rows=rows, kind=kind, seed=130 + salt, disabled=salt)
         if salt == 1:
             case.mapping.sort()
             case.want = [np.full(sh, POISON, np.int32) for sh in case.shapes]
             _call.run_on_host(case.prepare(case.want, False).job)
-        _run(emu, case, det, None, TINY_FILL["tiny_fill_blocks"], seeds=(salt, salt + 2))
+        _run(emu, case, det, None, TINY_FILL["tiny_fill_split"], seeds=(salt, salt + 2))
 
 
 @pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
-@pytest.mark.parametrize("fill", [True, False], ids=["fill_blocks", "no_fill_blocks"])
+@pytest.mark.parametrize("fill", ["split", "wait", None],
+                         ids=["fill_split", "fill_blocks", "no_fill_blocks"])
 @pytest.mark.parametrize("T,E,B,L", [(16, 256, 16, 16), (5, 64, 16, 16), (64, 128, 16, 4),
                                      (255, 64, 16, 16), (5, 64, 128, 32),
                                      (5, 64, 128, 33)])
 def test_fused_tiny_pair_with_and_without_fill_blocks(emu, T, E, B, L, fill, det):
     policy = AlignPolicy(tiny_fill_blocks_from=0 if fill else 1 << 62,
+                         tiny_split_fill_routes=BIG_SINGLE if fill == "split" else 0,
                          coop_over_single_entries=BIG_SINGLE,
                          coop_over_filled_single_entries=BIG_SINGLE)
     base = Case(T, 8, E, B, seed=T)
@@ -611,7 +622,8 @@ def test_fused_tiny_pair_with_and_without_fill_blocks(emu, T, E, B, L, fill, det
     for seed in (0, 1):
         mode, pair = emulator.run_pair(emu, base.job(det), lora.job(det), streams="fused",
                                        policy=policy, seed=seed)
-        assert pair.tiny and bool(pair.fill_grid) == (fill and L <= _dispatch.SPLIT_ROWS)
+        assert pair.tiny and bool(pair.fill_grid) == bool(fill)
+        assert pair.fill_split == (fill == "split" and L <= _dispatch.SPLIT_ROWS)
         base.check(det)
         lora.check(det)
 

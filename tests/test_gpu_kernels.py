@@ -358,15 +358,20 @@ def test_lora_cooperative_with_and_without_fill_blocks(E, T, rows, det, how):
                    policy=COOP_FILL[how], allocate=salt == 1, disabled=1 + salt)
 
 
-# align_tiny with fill blocks (blocks past the first write each row's sentinel fill and tile
-# -1s past the row's split, block 0 the part before it) and without, each asked for by its
-# policy (one block up to any fill size): base and LoRA, free order and deterministic, a
-# thread a bucket and four, just past one warp's routes, SPLIT_ROWS rows and one more (no fill
-# blocks), listed, disabled and unprocessed rows (allocated outputs fill them), an expert map.
+# align_tiny with fill blocks, both ways: they write the sentinel fill and the tiles' -1 and
+# block 0 waits for them before its stores, or (split) they write each row's fill past its
+# tokens' bound and block 0 the rest; and without, each asked for by its policy (one block up
+# to any fill size): base and LoRA, free order and deterministic, a thread a bucket and four,
+# just past one warp's routes, SPLIT_ROWS rows and one more (no split), listed, disabled and
+# unprocessed rows (allocated outputs fill them), an expert map.
 BIG_SINGLE = 1 << 30
-TINY_FILL = {"tiny_fill_blocks": mla.AlignPolicy(tiny_fill_blocks_from=0,
+TINY_FILL = {"tiny_fill_blocks": mla.AlignPolicy(tiny_fill_blocks_from=0, tiny_split_fill_routes=0,
                                                   coop_over_single_entries=BIG_SINGLE,
                                                   coop_over_filled_single_entries=BIG_SINGLE),
+             "tiny_fill_split": mla.AlignPolicy(tiny_fill_blocks_from=0,
+                                                 tiny_split_fill_routes=BIG_SINGLE,
+                                                 coop_over_single_entries=BIG_SINGLE,
+                                                 coop_over_filled_single_entries=BIG_SINGLE),
              "no_tiny_fill_blocks": mla.AlignPolicy(tiny_fill_blocks_from=1 << 62,
                                                      coop_over_single_entries=BIG_SINGLE,
                                                      coop_over_filled_single_entries=BIG_SINGLE)}
@@ -378,8 +383,9 @@ def _tiny_fill_launch(numel, buckets, rows, det, how):
                                          policy=TINY_FILL[how])
     if not (launch.kind == "single" and launch.tiny):
         pytest.skip(f"{numel} routes over {buckets} buckets are not align_tiny's")
-    assert bool(launch.fill_grid) == (how == "tiny_fill_blocks" and numel > WARP_ROUTES
-                                  and rows <= mla._dispatch.SPLIT_ROWS)
+    assert bool(launch.fill_grid) == (how != "no_tiny_fill_blocks" and numel > WARP_ROUTES)
+    assert launch.fill_split == (how == "tiny_fill_split" and numel > WARP_ROUTES
+                                 and rows <= mla._dispatch.SPLIT_ROWS)
 
 
 @pytest.mark.parametrize("how", list(TINY_FILL))
