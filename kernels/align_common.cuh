@@ -56,8 +56,6 @@ struct Problem {
   int coop_blocks;              // cooperative kernels: blocks aligning this problem
   int fill_blocks;              // blocks of the launch that only fill (align_cooperative's
                                 //   last ones, align_tiny_filled's after the first)
-  int fill_split;               // align_tiny_filled: 1, the fill blocks write past each row's
-                                //   split (fill_split); 0, all of it, and block 0 waits
 };
 
 // Stage timestamps for scripts/stage_probe.py, compiled in only with -DMLA_PROBE: thread 0 of
@@ -485,68 +483,6 @@ __device__ __forceinline__ void fill_tile_ids(const Problem& p, const unsigned c
     if (row_written(p, processed, r))
       p.expert_ids[(long long)r * p.expert_pitch + (k - r * p.num_tiles)] = -1;
   }
-}
-
-// align_tiny_filled's fill, split between block 0 and its fill blocks (p.fill_split). Row r's
-// segments end at most routes_r * B entries in (a valid route pads its segment by at most
-// B - 1) and its owned tiles at most routes_r tiles in, where routes_r counts every route of
-// the row's tokens, valid or not (the base alignment's one row: every route). Block 0 writes
-// the fill before these bounds and the fill blocks the fill past them: block 0's routes and
-// tiles all land before the bounds, so no block waits for another. The bound rounds up to 4 entries (16-byte
-// stores on both sides); over SPLIT_ROWS rows it is the row's end (block 0 fills it all).
-#define SPLIT_ROWS 32
-#define SPLIT_TOKENS 4  // token slots a thread loads at once (align_tiny: T <= 4 * blockDim)
-
-struct TokenSlots {
-  int slot[SPLIT_TOKENS];
-};
-
-// The rows' token counts, in shared memory: the row region's slot list, which
-// mark_processed_rows uses only past 32 rows (the counts only up to SPLIT_ROWS).
-__device__ __forceinline__ int* row_token_counts(const Problem& p, unsigned char* processed) {
-  return reinterpret_cast<int*>(processed + ((p.rows + 3) & ~3));
-}
-
-// Zeroes the row token counts and loads this thread's token slots; a barrier orders this
-// before add_row_tokens.
-__device__ __forceinline__ TokenSlots load_token_slots(const Problem& p, int* row_tokens) {
-  TokenSlots s;
-  const int tokens = p.token_slot == nullptr ? 0 : fast_div(p.numel, p.topk_magic, p.topk_shift);
-#pragma unroll
-  for (int j = 0; j < SPLIT_TOKENS; ++j) {
-    const int t = j * blockDim.x + threadIdx.x;
-    s.slot[j] = t < tokens ? p.token_slot[t] : -1;
-  }
-  if (p.rows <= SPLIT_ROWS && (int)threadIdx.x < p.rows) row_tokens[threadIdx.x] = 0;
-  return s;
-}
-
-// Counts each row's tokens into row_tokens (a barrier must follow before they are read).
-// Every thread of the block calls it: a warp's run of one slot adds in one atomic (claim).
-__device__ __forceinline__ void add_row_tokens(const Problem& p, const TokenSlots& s,
-                                               int* row_tokens) {
-  if (p.token_slot == nullptr || p.rows > SPLIT_ROWS) return;
-#pragma unroll
-  for (int j = 0; j < SPLIT_TOKENS; ++j)
-    claim(row_tokens, s.slot[j] >= 0 && s.slot[j] < p.rows ? s.slot[j] : -1);
-  const int tokens = fast_div(p.numel, p.topk_magic, p.topk_shift);
-  for (int t = SPLIT_TOKENS * blockDim.x + threadIdx.x; t < tokens; t += blockDim.x) {
-    const int slot = p.token_slot[t];
-    if (slot >= 0 && slot < p.rows) atomicAdd(row_tokens + slot, 1);
-  }
-}
-
-// Row r's split: x the first entry of sorted_ids, y the first tile, that the fill blocks write
-// (0 for a row that is written but not processed: the fill blocks write all of it).
-__device__ __forceinline__ int2 fill_split(const Problem& p, bool processed, const int* row_tokens,
-                                           int r) {
-  if (!processed) return make_int2(0, 0);
-  if (p.rows > SPLIT_ROWS) return make_int2(p.padded_len, p.num_tiles);
-  const long long routes =
-      p.token_slot == nullptr ? p.numel : (long long)row_tokens[r] * p.topk;
-  const long long end = (routes * p.block_size + 3) & ~3LL;
-  return make_int2(end < p.padded_len ? (int)end : p.padded_len,
-                   routes < p.num_tiles ? (int)routes : p.num_tiles);
 }
 
 // Bucket b's tiles, `tiles` of them from its segment start `start` (all rows' scan: `starts`

@@ -100,49 +100,6 @@ __device__ void fill_and_arrive(const Problem& p, int fill_block, bool tiles, un
   }
 }
 
-// A fill block of align_tiny_filled with p.fill_split: the fill past each written row's
-// split (fill_split) in sorted_ids and expert_ids, over fill blocks [0, p.fill_blocks). Each row
-// goes to a group of warps of all the fill blocks, as align_tiny's short rows do: a loop over
-// every row in every thread cost each thread the rows' setup, on 32 warps an SM. Block 0
-// writes before the splits, so nothing here waits or is waited for.
-__device__ void fill_past_splits(const Problem& p, int fill_block) {
-  MLA_STAMP(7, 0);
-  unsigned char* processed = dynamic_smem;
-  int* row_tokens = row_token_counts(p, processed);
-  const TokenSlots slots = load_token_slots(p, row_tokens);
-  mark_processed_rows(p, processed);  // and its barrier
-  add_row_tokens(p, slots, row_tokens);
-  __syncthreads();
-  MLA_STAMP(7, 1);
-  const int nwarps = blockDim.x >> 5, warps = p.fill_blocks * nwarps;
-  const int gwarp = fill_block * nwarps + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-  const int group = p.rows >= warps ? 1 : warps / p.rows;  // warps a row
-  const int row0 = gwarp / group, from = (gwarp - row0 * group) * 32 + lane, step = 32 * group;
-  const bool vec = ((p.sorted_pitch & 3) == 0) &&
-                   ((reinterpret_cast<unsigned long long>(p.sorted_ids) & 15) == 0);
-  const int4 sentinel = make_int4(p.numel, p.numel, p.numel, p.numel);
-#pragma unroll 1
-  for (int r = row0; r < p.rows; r += warps / group) {  // a last, partial group idles
-    if (!row_written(p, processed, r)) continue;
-    const int2 split = fill_split(p, processed[r] != 0, row_tokens, r);  // x: 4k or P
-    int* row = p.sorted_ids + (long long)r * p.sorted_pitch;
-    const int units = vec ? p.padded_len >> 2 : 0;
-#pragma unroll 1
-    for (int k = (vec ? split.x >> 2 : 0) + from; k < units; k += step)
-      reinterpret_cast<int4*>(row)[k] = sentinel;
-#pragma unroll 1
-    for (int k = max(4 * units, split.x) + from; k < p.padded_len; k += step) row[k] = p.numel;
-#pragma unroll 1
-    for (int k = split.y + from; k < p.num_tiles; k += step)
-      p.expert_ids[(long long)r * p.expert_pitch + k] = -1;
-  }
-  MLA_STAMP(7, 2);
-#ifdef MLA_PROBE
-  __syncthreads();
-  MLA_STAMP(7, 3);
-#endif
-}
-
 // The kernels, by launch shape.
 #include "one_block.cuh"
 #include "count_place.cuh"

@@ -102,11 +102,8 @@ __global__ void align_pair(const Problem first, const Problem second) {
 // ~1000 cycles in align_single), so this version has no divisions in its loops, a two-barrier
 // scan whose result stays in each bucket's thread, tiles written by their bucket's thread
 // instead of a binary search per tile, and every fill issued before counting. Large fills
-// (LoRA with many slots) go to fill blocks instead (align_tiny_filled), the launch's blocks
-// past the first, in one of two ways (p.fill_split). They write all of it, and block 0 waits
-// for their arrivals only before its stores; or (few routes) they write each row's fill past a
-// bound that the row's tokens give (fill_split), block 0 the rest after its scan (each
-// bucket's padding, each row's tail to the bound), and no block waits for another.
+// (LoRA with many slots) go to fill blocks instead (align_tiny_filled): the launch's blocks
+// past the first write them, and block 0 waits for their arrivals only before its stores.
 // DET: ranks in flat-index order. Warp w owns routes [w * items * 32, (w + 1) * items * 32),
 // items = 1, 2 or 4 routes a lane (the fewest that cover the routes); ranks within the warp
 // come in lane order (claim_in_lane_order into the warp's own counters), and each bucket's
@@ -149,13 +146,6 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
   Route route[TINY_ITEMS];
 #pragma unroll
   for (int j = 0; j < TINY_ITEMS; ++j) route[j] = load_route<IdT>(p, route_index(j), p.numel);
-  // With fill blocks (FILLED and p.fill_blocks > 0) and p.fill_split they write each row's
-  // fill past its split and this block the part before it (the LoRA split needs the rows'
-  // token counts); without p.fill_split all of it, and this block waits for them.
-  const bool fills = !FILLED || p.fill_blocks == 0, split = !fills && p.fill_split != 0;
-  int* row_tokens = row_token_counts(p, processed);
-  TokenSlots token_slots;
-  if (FILLED && !BASE && split) token_slots = load_token_slots(p, row_tokens);
   if (DET) {  // the counts come from the warp counters, which start at zero
     unsigned* words = reinterpret_cast<unsigned*>(warp_counts);
 #pragma unroll 1
@@ -174,6 +164,8 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
   const bool vec = ((p.sorted_pitch & 3) == 0) &&
                    ((reinterpret_cast<unsigned long long>(p.sorted_ids) & 15) == 0);
   const int units = vec ? (p.padded_len >> 2) : 0;
+  // else the launch's other blocks write the fill
+  const bool fills = !FILLED || p.fill_blocks == 0;
   const auto fill_row = [&](int r, int from, int step) {
     if (!BASE && !row_written(p, processed, r)) return;
     int* row = p.sorted_ids + (long long)r * p.sorted_pitch;
@@ -182,31 +174,15 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
 #pragma unroll 1
     for (int k = 4 * units + from; k < p.padded_len; k += step) row[k] = p.numel;
   };
-  // With fill blocks: row r's fill before its split, entries and tiles (the rest is theirs).
-  const auto fill_before_split = [&](int r, int from, int step) {
-    if (!BASE && !row_written(p, processed, r)) return;
-    const int2 end = fill_split(p, BASE || processed[r] != 0, row_tokens, r);
-    int* row = p.sorted_ids + (long long)r * p.sorted_pitch;
-    const int end_units = vec ? end.x >> 2 : 0;  // end.x: 4k or padded_len
-#pragma unroll 1
-    for (int k = from; k < end_units; k += step) reinterpret_cast<int4*>(row)[k] = sentinel;
-#pragma unroll 1
-    for (int k = 4 * end_units + from; k < end.x; k += step) row[k] = p.numel;
-#pragma unroll 1
-    for (int k = from; k < end.y; k += step) p.expert_ids[(long long)r * p.expert_pitch + k] = -1;
-  };
-  // Short rows: a group of nwarps / rows warps fills each (one warp a row when rows >=
-  // nwarps); all rows in every thread would leave most threads idle on every row.
-  const auto row_group = [&]() { return p.rows >= nwarps ? 1 : nwarps / p.rows; };
-  if (!fills) {  // the base row's split needs no counts (every route is the row's)
-    if (split && BASE) fill_before_split(0, tid, bd);
-    else if (split) add_row_tokens(p, token_slots, row_tokens);  // read after the scan
+  if (!fills) {
   } else if (BASE) {
     fill_row(0, tid, bd);
 #pragma unroll 1
     for (int k = tid; k < p.num_tiles; k += bd) p.expert_ids[k] = -1;
   } else if (p.rows > 1 && 2 * (vec ? units : p.padded_len) <= (int)blockDim.x) {
-    const int group = row_group();
+    // Short rows: a group of nwarps / rows warps fills each (one warp a row when rows >=
+    // nwarps); all rows in every thread would leave most threads idle on every row.
+    const int group = p.rows >= nwarps ? 1 : nwarps / p.rows;
     const int row0 = warp / group;  // a last, incomplete group gets row0 >= rows: it idles
 #pragma unroll 1
     for (int r = row0; r < p.rows; r += nwarps / group)
@@ -233,14 +209,13 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
 
   // Padded exclusive scan, this thread's buckets in this thread: warp scan of the threads'
   // sums, then every warp scans the warp totals itself (no serial phase of warp 0).
-  int padded[PER], counted[PER], sum = 0;  // counted: the split's padding (FILLED only)
+  int padded[PER], sum = 0;
 #pragma unroll
   for (int q = 0; q < PER; ++q) {
     const int b = first + q;
     const int count = b >= nb ? 0
                       : DET ? prefix_over_warps(warp_counts + b, stride, route_warps) : starts[b];
     padded[q] = b < nb ? padded_count(p, count) : 0;
-    if (FILLED) counted[q] = count;
     sum += padded[q];
   }
   const int x = warp_inclusive_sum(sum);
@@ -257,7 +232,7 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
   for (int q = 0; q < PER; ++q)  // each thread overwrites only the counts it read
     if (first + q < nb) starts[first + q] = start[q];
   if (tid == 0) starts[nb] = total;
-  if (!fills && !split && tid == 0) {
+  if (!fills && tid == 0) {
     MLA_STAMP(0, 6);  // scanned: block 0 starts to wait for the fill blocks
     // Every fill block's stores before the ones below that overwrite them; then the count
     // goes back to zero for the next call (all fill blocks have arrived).
@@ -287,30 +262,6 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
       for (int k = 0; k < tiles; ++k) tile[k] = value;
     } else {
       write_bucket_tiles(p, starts, first + q, start[q], tiles);
-    }
-  }
-  if (!BASE && split) {
-    // This block's part of the fill: each bucket's padding, then each row's tail from its
-    // total to its split, and -1 in the tiles there (the fill blocks write past the split).
-#pragma unroll
-    for (int q = 0; q < PER; ++q)
-#pragma unroll 1
-      for (int k = counted[q]; k < padded[q]; ++k)
-        p.sorted_ids[output_index(p, starts, first + q, k)] = p.numel;
-    const int group = row_group(), row0 = warp / group, from = tid - row0 * group * 32;
-#pragma unroll 1
-    for (int r = row0; r < p.rows; r += nwarps / group) {
-      if (!row_written(p, processed, r)) continue;
-      const int2 end = fill_split(p, processed[r] != 0, row_tokens, r);
-      const int row_total = processed[r] ? starts[r * p.num_experts + p.num_experts] -
-                                               starts[r * p.num_experts] : 0;
-      int* row = p.sorted_ids + (long long)r * p.sorted_pitch;
-#pragma unroll 1
-      for (int k = row_total + from; k < end.x; k += 32 * group) row[k] = p.numel;
-      const int first_tile = fast_div(row_total, p.block_magic, p.block_shift);
-#pragma unroll 1
-      for (int k = first_tile + from; k < end.y; k += 32 * group)
-        p.expert_ids[(long long)r * p.expert_pitch + k] = -1;
     }
   }
   if (!BASE) write_totals(p, processed, starts);
@@ -434,15 +385,12 @@ __global__ void __launch_bounds__(1024, 1) align_tiny(const Problem p) {
 }
 
 // align_tiny whose blocks past the first are fill blocks (p.fill_blocks of them, large LoRA
-// fills; the launch is cooperative): with p.fill_split they write each row's fill past its
-// split and block 0 the rest, else all of it while block 0 waits for their arrivals at
-// p.ticket before its stores. A kernel apart, so that decode calls' align_tiny has none of
-// this.
+// fills; the launch is cooperative): block 0 waits for their arrivals at p.ticket before its
+// stores. A kernel apart, so that decode calls' align_tiny has none of this.
 template <typename IdT, bool DET>
 __global__ void __launch_bounds__(1024, 1) align_tiny_filled(const Problem p) {
-  if (blockIdx.x == 0) align_tiny_block<IdT, DET, true>(p);
-  else if (p.fill_split) fill_past_splits(p, blockIdx.x - 1);
-  else fill_and_arrive(p, blockIdx.x - 1, true, p.ticket);
+  if (blockIdx.x > 0) fill_and_arrive(p, blockIdx.x - 1, true, p.ticket);
+  else align_tiny_block<IdT, DET, true>(p);
 }
 
 // Base and LoRA alignment in one launch of two tiny blocks (block 0: `first`).
@@ -456,7 +404,6 @@ __global__ void __launch_bounds__(1024, 1) align_tiny_pair(const Problem first, 
 template <typename IdT, bool DET>
 __global__ void __launch_bounds__(1024, 1) align_tiny_pair_filled(const Problem first,
                                                                   const Problem second) {
-  if (blockIdx.x < 2) align_tiny_block<IdT, DET, true>(blockIdx.x == 0 ? first : second);
-  else if (second.fill_split) fill_past_splits(second, blockIdx.x - 2);
-  else fill_and_arrive(second, blockIdx.x - 2, true, second.ticket);
+  if (blockIdx.x >= 2) fill_and_arrive(second, blockIdx.x - 2, true, second.ticket);
+  else align_tiny_block<IdT, DET, true>(blockIdx.x == 0 ? first : second);
 }

@@ -20,7 +20,6 @@ TINY_BUCKETS = 4              # TINY_BUCKETS: align_tiny's buckets a thread when
                               #   outnumber threads
 WARP_ROUTES = 32              # WARP_ROUTES: align_tiny places at most this many routes
                               #   (of at most 32 rows) on one warp (align_warp)
-SPLIT_ROWS = 32               # SPLIT_ROWS: align_tiny_filled splits the fill for rows up to this
 COOP_ITEMS = 8                # COOP_ITEMS: the cooperative kernels' routes a thread, at most
 FILL_SPLIT_BLOCK = BLOCK // 2  # threads of each block of a cooperative launch with fill blocks
                               #   (two blocks an SM: __launch_bounds__(BLOCK, 1) keeps a
@@ -83,11 +82,8 @@ class AlignPolicy:
     coop_fill_blocks_free_routes: int = 196608
     coop_fill_blocks_free_below: int = 655360
     # From this many output entries align_tiny (past one warp's routes) gets fill blocks:
-    # a block per fill_per_block entries writes the fill while block 0 counts. Up to the
-    # second figure's routes they write each row's fill past its tokens' bound and block 0
-    # the rest after its scan (no block waits); above, all of it, and block 0 waits for them.
+    # a block per fill_per_block entries writes the fill while block 0 counts.
     tiny_fill_blocks_from: int = 32768
-    tiny_split_fill_routes: int = 512
     chunk_matrix_budget: int = 1 << 18   # entries of the deterministic [chunks, buckets] matrix
 
 
@@ -147,7 +143,6 @@ class Launch:
     fill_grid: int = 0        # cooperative: the grid's last blocks, align_tiny: the blocks
                               #   after the first, which only write the sentinel fill (the
                               #   aligning blocks fill when 0)
-    fill_split: bool = False  # align_tiny's fill blocks write past each row's bound only
     order_grid: int = 0       # > 0: then align_order, this many blocks, sorts every segment
                               #   (deterministic output from the free-order count + place)
     smem_order: int = 0       # dynamic shared bytes of align_order (the sort's scratch)
@@ -306,23 +301,13 @@ def tiny_fill_blocks(numel: int, out_entries: int, limits: DeviceLimits,
     """Fill blocks of an align_tiny launch (or of the LoRA side of the fused tiny pair) beside
     its ``aligning`` blocks: one per ``fill_per_block`` output entries from
     ``tiny_fill_blocks_from`` on, the launch within the SMs; none on the one-warp path (which
-    fills itself) or where the launch cannot be cooperative (the aligning blocks may wait for
-    the fill blocks, so all must be resident). The aligning blocks are then sized without the
+    fills itself) or where the launch cannot be cooperative (the aligning blocks wait for the
+    fill blocks, so all must be resident). The aligning blocks are then sized without the
     fill."""
     if (not limits.cooperative or numel <= WARP_ROUTES
             or out_entries < policy.tiny_fill_blocks_from):
         return 0
     return max(0, min(limits.sm_count - aligning, _ceil_div(out_entries, policy.fill_per_block)))
-
-
-def splits_fill(numel: int, rows: int, fill_blocks: int,
-                policy: AlignPolicy = DEFAULT_POLICY) -> bool:
-    """align_tiny's ``fill_blocks`` write each row's fill past its tokens' bound (block 0 the
-    rest, nobody waits) rather than all of it (block 0 waits): up to
-    ``tiny_split_fill_routes`` routes, where block 0's part stays short, and ``SPLIT_ROWS``
-    rows (the kernels count each row's tokens in that many counters)."""
-    return (fill_blocks > 0 and numel <= policy.tiny_split_fill_routes
-            and rows <= SPLIT_ROWS)
 
 
 def _single_block(numel, num_buckets, rows, deterministic, limits, out_entries=0,
@@ -338,8 +323,7 @@ def _single_block(numel, num_buckets, rows, deterministic, limits, out_entries=0
         smem = base + (tiny_warp_counter_bytes(numel, tiny, num_buckets) if deterministic else 0)
         if smem <= limits.dynamic_smem:
             return Launch("shared", "single", deterministic, tiny, grid=1 + fill,
-                          smem_single=smem, tiny=True, fill_grid=fill,
-                          fill_split=splits_fill(numel, rows, fill, policy))
+                          smem_single=smem, tiny=True, fill_grid=fill)
     if not deterministic:
         if base > limits.dynamic_smem:
             return None
@@ -751,8 +735,7 @@ def choose_pair(numel: int, base_buckets: int, lora_buckets: int, rows: int,
                        for nb, r in ((base_buckets, 1), (lora_buckets, rows)))
         if smem <= limits.dynamic_smem:
             return Launch("shared", "single", deterministic, block, grid=2 + fill,
-                          smem_single=smem, tiny=True, fill_grid=fill,
-                          fill_split=splits_fill(numel, rows, fill, policy))
+                          smem_single=smem, tiny=True, fill_grid=fill)
     if fill and cooperative_wins(False):
         return None  # the blocks below have no fill blocks
     if base.tiny or lora.tiny:  # two align_single blocks, each side sized for that kernel
@@ -799,7 +782,6 @@ def launch_kernels(launch, fused: bool = False) -> list:
         if launch.tiny and launch.fill_grid:
             name += "_filled"  # a kernel apart; align_tiny and align_tiny_pair have none
         # align_tiny with fill blocks: cooperative, so that block 0's wait for them returns
-        # (with fill_split no block waits, but an ordinary launch timed the same: r44)
         kernels = [((name, det), launch.grid, launch.block, launch.smem_single,
                     launch.fill_grid > 0)]
     elif launch.kind == "cluster":

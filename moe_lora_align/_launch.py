@@ -29,7 +29,7 @@ _MAGICS = tuple(x for d in _DIVISORS for x in ((d + "_magic", np.uint32), (d + "
 # Mirrors kernels/align_common.cuh: struct Problem.
 PROBLEM_DTYPE = np.dtype([(n, np.uint64) for n in _POINTERS] + [(n, np.int32) for n in _INTS]
                          + list(_MAGICS) + [("count_stride", np.int32), ("coop_blocks", np.int32),
-                            ("fill_blocks", np.int32), ("fill_split", np.int32)], align=True)
+                            ("fill_blocks", np.int32)], align=True)
 
 MAP_NONE, MAP_BEFORE, MAP_AFTER = 0, 1, 2
 _state_lock = threading.RLock()  # guards the per-device caches that host threads share
@@ -153,9 +153,8 @@ def _ptr(x) -> int:
     return 0 if x is None else int(x.data.ptr)
 
 
-# Little-endian: pointers, ints, then (magic, shift) pairs, four ints and the tail padding to
-# 8 bytes: PROBLEM_DTYPE's layout.
-_PACKER = struct.Struct("<%dQ%di%s4i4x" % (len(_POINTERS), len(_INTS), "Ii" * len(_DIVISORS)))
+# Little-endian, no padding: pointers, ints, then (magic, shift) pairs: PROBLEM_DTYPE's layout.
+_PACKER = struct.Struct("<%dQ%di%s3i" % (len(_POINTERS), len(_INTS), "Ii" * len(_DIVISORS)))
 assert _PACKER.size == PROBLEM_DTYPE.itemsize
 
 
@@ -191,8 +190,7 @@ def pack(job: Job, launch: _dispatch.Launch, ws: Workspace, fill_blocks: bool = 
         int(launch.starts_in_smem), int(launch.stage_output), *division_magic(max(job.topk, 1)),
         *division_magic(job.block_size), *division_magic(job.num_experts),
         *division_magic(max(job.num_tiles, 1)), ws.buckets if coop else 0,
-        launch.grid if coop else 0, launch.fill_grid if fill_blocks else 0,
-        int(launch.fill_split and fill_blocks))
+        launch.grid if coop else 0, launch.fill_grid if fill_blocks else 0)
     job.packed = np.frombuffer(bytearray(raw), dtype=np.uint8)
     job.params = np.array([job.packed.ctypes.data], dtype=np.uint64)
     job.params_addr = job.params.ctypes.data

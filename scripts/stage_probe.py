@@ -87,7 +87,7 @@ CASES = [  # op ("... det": deterministic=True), T, E, K, B, L
     ("base", 64, 256, 8, 16, None), ("lora", 16, 256, 8, 16, 16),
     ("lora det", 256, 256, 8, 16, 16),
 ]
-STAGES = {0: ["entry", "rows+fill", "claim", "scan", "stores", "end", "split fill"],
+STAGES = {0: ["entry", "rows+fill", "claim", "scan", "stores", "end", "wait from"],
           1: ["entry", "rows", "claim", "flush", "ticket", "scan", "end", "det prefix"],
           2: ["entry", "expert_ids", "claim", "base", "scan", "staged", "end"],
           3: ["entry", "rows+fill", "claim", "staged", "barrier", "scan+adj", "end",
@@ -95,7 +95,7 @@ STAGES = {0: ["entry", "rows+fill", "claim", "scan", "stores", "end", "split fil
           4: ["entry", "rows", "fill", "claim+barrier", "remote reads", "scan", "stores", "end"],
           5: ["entry", "warps", "range", "digits", "bitmap", "end", "loads", "counted"],
           6: ["ranked", "prefix"],
-          7: ["entry", "rows", "stores issued", "block issued", "fenced"]}  # 0-3 in fill_past_splits
+          7: ["entry", "rows", "stores issued", "block issued", "fenced"]}
 KERNEL = {0: "single", 1: "count", 2: "place", 3: "coop", 4: "cluster", 5: "order",
           6: "cl det", 7: "fill"}
 # kernels/align_common.cuh: mla_probe's shape (MLA_PROBE_SLOTS, _BLOCKS, _STAGES)

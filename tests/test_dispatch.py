@@ -612,13 +612,6 @@ def test_tiny_fill_blocks():
     assert launch.kind == "single" and launch.tiny
     assert launch.fill_grid == -(-entries // policy.fill_per_block) and launch.grid == 1 + launch.fill_grid
     assert launch.block == d.tiny_block_threads(128, 0, 16 * 256)
-    # up to tiny_split_fill_routes routes and SPLIT_ROWS rows the fill splits at each row's
-    # bound (nobody waits); past either, block 0 waits for the fill blocks
-    assert launch.fill_split and d.splits_fill(policy.tiny_split_fill_routes, 32, 1)
-    assert not d.splits_fill(policy.tiny_split_fill_routes + 1, 32, 1)
-    assert not d.splits_fill(128, d.SPLIT_ROWS + 1, 1) and not d.splits_fill(128, 16, 0)
-    wide = d.choose_launch(128, 33 * 64, 33, H200, out_entries=entries)
-    assert wide.tiny and wide.fill_grid and not wide.fill_split
     # below the threshold, or one warp's routes: block 0 fills
     for numel, out in ((128, policy.tiny_fill_blocks_from - 1), (d.WARP_ROUTES, 50000)):
         small = d.choose_launch(numel, 16 * 64, 16, H200, out_entries=out)
@@ -710,7 +703,7 @@ def test_kernel_constants_match_the_cuda_source():
 
     src = _kernels.source()
     defined = dict(re.findall(r"^#define (\w+) (\d+)", src, flags=re.M))
-    for name in ("ITEMS_PER_THREAD", "TINY_ITEMS", "TINY_BUCKETS", "WARP_ROUTES", "SPLIT_ROWS", "COOP_ITEMS",
+    for name in ("ITEMS_PER_THREAD", "TINY_ITEMS", "TINY_BUCKETS", "WARP_ROUTES", "COOP_ITEMS",
                  "CLUSTER_BLOCKS", "CLUSTER_ITEMS", "ORDER_ITEMS", "ORDER_DIGITS_MAX",
                  "MODE_SHARED", "MODE_GLOBAL", "MODE_DETERMINISTIC"):
         assert int(defined[name]) == getattr(d, name), name

@@ -467,8 +467,7 @@ def _every_kernel(emu):
                                         (1024, 64, None, "shared", ORDERED),
                                         (1024, 64, None, "global", ORDERED),
                                         (1024, 64, None, "shared", SORTED),
-                                        (40, 64, 4, None, TINY_FILL["tiny_fill_blocks"]),
-                                        (40, 64, 4, None, TINY_FILL["tiny_fill_split"])]:
+                                        (40, 64, 4, None, TINY_FILL["tiny_fill_blocks"])]:
         for det in (False, True):
             if not _refused(variant, det, T * 8, E, 1, policy):
                 _run(emu, Case(T, 8, E, 16, rows=rows, seed=T), det, variant, policy,
@@ -477,8 +476,7 @@ def _every_kernel(emu):
                                (CLUSTER_T, 64, 4, _dispatch.DEFAULT_POLICY),
                                (2048, 64, 4, _dispatch.DEFAULT_POLICY),
                                (2048, 256, 16, _dispatch.DEFAULT_POLICY),
-                               (40, 64, 4, TINY_FILL["tiny_fill_blocks"]),
-                               (40, 64, 4, TINY_FILL["tiny_fill_split"])]:
+                               (40, 64, 4, TINY_FILL["tiny_fill_blocks"])]:
         for det in (False, True):
             base, lora = Case(T, 8, E, 64, seed=T), Case(T, 8, E, 64, rows=rows, seed=T)
             lora.ids[:] = base.ids
@@ -536,15 +534,9 @@ def test_lora_cooperative_with_and_without_fill_blocks(emu, E, T, rows, det, how
 
 
 BIG_SINGLE = 1 << 30
-# "tiny_fill_blocks": block 0 waits for the fill blocks; "tiny_fill_split": each row's fill
-# split at its tokens' bound, nobody waits (up to SPLIT_ROWS rows; past them, the wait)
-TINY_FILL = {"tiny_fill_blocks": AlignPolicy(tiny_fill_blocks_from=0, tiny_split_fill_routes=0,
+TINY_FILL = {"tiny_fill_blocks": AlignPolicy(tiny_fill_blocks_from=0,
                                              coop_over_single_entries=BIG_SINGLE,
                                              coop_over_filled_single_entries=BIG_SINGLE),
-             "tiny_fill_split": AlignPolicy(tiny_fill_blocks_from=0,
-                                            tiny_split_fill_routes=BIG_SINGLE,
-                                            coop_over_single_entries=BIG_SINGLE,
-                                            coop_over_filled_single_entries=BIG_SINGLE),
              "no_tiny_fill_blocks": AlignPolicy(tiny_fill_blocks_from=1 << 62,
                                                 coop_over_single_entries=BIG_SINGLE,
                                                 coop_over_filled_single_entries=BIG_SINGLE)}
@@ -555,9 +547,7 @@ def _tiny_fill_launch(numel, buckets, rows, det, how):
                                      out_entries=numel, policy=TINY_FILL[how])
     if not (launch.kind == "single" and launch.tiny):
         pytest.skip(f"{numel} routes over {buckets} buckets are not align_tiny's")
-    assert bool(launch.fill_grid) == (how != "no_tiny_fill_blocks" and numel > 32)
-    assert launch.fill_split == (how == "tiny_fill_split" and numel > 32
-                                 and rows <= _dispatch.SPLIT_ROWS)
+    assert bool(launch.fill_grid) == (how == "tiny_fill_blocks" and numel > 32)
 
 
 @pytest.mark.parametrize("how", list(TINY_FILL))
@@ -574,7 +564,7 @@ def test_base_tiny_with_and_without_fill_blocks(emu, E, T, K, det, how):
 @pytest.mark.parametrize("how", list(TINY_FILL))
 @pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
 @pytest.mark.parametrize("E,T,rows", [(64, 5, 16), (256, 16, 16), (64, 16, 16), (256, 255, 16),
-                                      (64, 64, 4), (7, 100, 32), (7, 100, 33), (128, 2, 16)])
+                                      (64, 64, 4), (7, 100, 33), (128, 2, 16)])
 def test_lora_tiny_with_and_without_fill_blocks(emu, E, T, rows, det, how):
     _tiny_fill_launch(T * 8, rows * E, rows, det, how)
     for salt in range(3):
@@ -584,34 +574,11 @@ def test_lora_tiny_with_and_without_fill_blocks(emu, E, T, rows, det, how):
 
 
 @pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
-@pytest.mark.parametrize("T,K,E,B,rows,kind", [
-    (40, 3, 64, 1, 16, "uniform"), (45, 1, 64, 3, 16, "skewed"), (100, 8, 7, 3, 32, "hot"),
-    (33, 5, 256, 16, 2, "skewed"), (300, 7, 64, 5, 4, "invalid"), (9, 7, 512, 2, 3, "uniform")])
-def test_tiny_fill_split_at_each_rows_bound(emu, T, K, E, B, rows, kind, det):
-    """align_tiny_filled splits each row's fill at its tokens' routes x B, rounded up to 4
-    entries (16-byte stores on both sides), and its tiles at its routes: block sizes that
-    are not a multiple of 4 (the rounding, and rows whose pitch allows no 16-byte stores),
-    bounds past the row's end, every route to one expert, invalid ids, and slots in runs (a
-    warp's tokens in one slot: one atomic for the run)."""
-    _tiny_fill_launch(T * K, rows * E, rows, det, "tiny_fill_split")
-    for salt in range(2):
-        case = Case(T, K, E, B, rows=rows, kind=kind, seed=130 + salt, disabled=salt)
-        if salt == 1:
-            case.mapping.sort()
-            case.want = [np.full(sh, POISON, np.int32) for sh in case.shapes]
-            _call.run_on_host(case.prepare(case.want, False).job)
-        _run(emu, case, det, None, TINY_FILL["tiny_fill_split"], seeds=(salt, salt + 2))
-
-
-@pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
-@pytest.mark.parametrize("fill", ["split", "wait", None],
-                         ids=["fill_split", "fill_blocks", "no_fill_blocks"])
+@pytest.mark.parametrize("fill", [True, False], ids=["fill_blocks", "no_fill_blocks"])
 @pytest.mark.parametrize("T,E,B,L", [(16, 256, 16, 16), (5, 64, 16, 16), (64, 128, 16, 4),
-                                     (255, 64, 16, 16), (5, 64, 128, 32),
-                                     (5, 64, 128, 33)])
+                                     (255, 64, 16, 16), (5, 64, 128, 33)])
 def test_fused_tiny_pair_with_and_without_fill_blocks(emu, T, E, B, L, fill, det):
     policy = AlignPolicy(tiny_fill_blocks_from=0 if fill else 1 << 62,
-                         tiny_split_fill_routes=BIG_SINGLE if fill == "split" else 0,
                          coop_over_single_entries=BIG_SINGLE,
                          coop_over_filled_single_entries=BIG_SINGLE)
     base = Case(T, 8, E, B, seed=T)
@@ -622,8 +589,7 @@ def test_fused_tiny_pair_with_and_without_fill_blocks(emu, T, E, B, L, fill, det
     for seed in (0, 1):
         mode, pair = emulator.run_pair(emu, base.job(det), lora.job(det), streams="fused",
                                        policy=policy, seed=seed)
-        assert pair.tiny and bool(pair.fill_grid) == bool(fill)
-        assert pair.fill_split == (fill == "split" and L <= _dispatch.SPLIT_ROWS)
+        assert pair.tiny and bool(pair.fill_grid) == fill
         base.check(det)
         lora.check(det)
 

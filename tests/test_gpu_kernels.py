@@ -358,20 +358,15 @@ def test_lora_cooperative_with_and_without_fill_blocks(E, T, rows, det, how):
                    policy=COOP_FILL[how], allocate=salt == 1, disabled=1 + salt)
 
 
-# align_tiny with fill blocks, both ways: they write the sentinel fill and the tiles' -1 and
-# block 0 waits for them before its stores, or (split) they write each row's fill past its
-# tokens' bound and block 0 the rest; and without, each asked for by its policy (one block up
-# to any fill size): base and LoRA, free order and deterministic, a thread a bucket and four,
-# just past one warp's routes, SPLIT_ROWS rows and one more (no split), listed, disabled and
+# align_tiny with fill blocks (blocks past the first write the sentinel fill and the tiles'
+# -1; block 0 waits for them before its stores) and without, each asked for by its policy
+# (one block up to any fill size): base and LoRA, free order and deterministic, a thread a
+# bucket and four, just past one warp's routes, more than 32 rows, listed, disabled and
 # unprocessed rows (allocated outputs fill them), an expert map.
 BIG_SINGLE = 1 << 30
-TINY_FILL = {"tiny_fill_blocks": mla.AlignPolicy(tiny_fill_blocks_from=0, tiny_split_fill_routes=0,
+TINY_FILL = {"tiny_fill_blocks": mla.AlignPolicy(tiny_fill_blocks_from=0,
                                                   coop_over_single_entries=BIG_SINGLE,
                                                   coop_over_filled_single_entries=BIG_SINGLE),
-             "tiny_fill_split": mla.AlignPolicy(tiny_fill_blocks_from=0,
-                                                 tiny_split_fill_routes=BIG_SINGLE,
-                                                 coop_over_single_entries=BIG_SINGLE,
-                                                 coop_over_filled_single_entries=BIG_SINGLE),
              "no_tiny_fill_blocks": mla.AlignPolicy(tiny_fill_blocks_from=1 << 62,
                                                      coop_over_single_entries=BIG_SINGLE,
                                                      coop_over_filled_single_entries=BIG_SINGLE)}
@@ -383,9 +378,7 @@ def _tiny_fill_launch(numel, buckets, rows, det, how):
                                          policy=TINY_FILL[how])
     if not (launch.kind == "single" and launch.tiny):
         pytest.skip(f"{numel} routes over {buckets} buckets are not align_tiny's")
-    assert bool(launch.fill_grid) == (how != "no_tiny_fill_blocks" and numel > WARP_ROUTES)
-    assert launch.fill_split == (how == "tiny_fill_split" and numel > WARP_ROUTES
-                                 and rows <= mla._dispatch.SPLIT_ROWS)
+    assert bool(launch.fill_grid) == (how == "tiny_fill_blocks" and numel > WARP_ROUTES)
 
 
 @pytest.mark.parametrize("how", list(TINY_FILL))
@@ -402,7 +395,7 @@ def test_base_tiny_with_and_without_fill_blocks(E, T, K, det, how):
 @pytest.mark.parametrize("how", list(TINY_FILL))
 @pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
 @pytest.mark.parametrize("E,T,rows", [(64, 5, 16), (256, 16, 16), (64, 16, 16), (256, 255, 16),
-                                      (64, 64, 4), (7, 100, 32), (7, 100, 33), (128, 2, 16)])
+                                      (64, 64, 4), (7, 100, 33), (128, 2, 16)])
 def test_lora_tiny_with_and_without_fill_blocks(E, T, rows, det, how):
     _tiny_fill_launch(T * 8, rows * E, rows, det, how)
     for salt in range(3):

@@ -93,26 +93,22 @@ def test_fused_decode_with_and_without_tiny(T, E, K, B, L):
 
 
 @pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
-@pytest.mark.parametrize("fill", ["split", "wait", None],
-                         ids=["fill_split", "fill_blocks", "no_fill_blocks"])
+@pytest.mark.parametrize("fill", [True, False], ids=["fill_blocks", "no_fill_blocks"])
 @pytest.mark.parametrize("T,E,K,B,L", [(16, 256, 8, 16, 16), (5, 64, 8, 16, 16),
                                        (64, 128, 8, 16, 4), (255, 64, 8, 16, 16),
-                                       (5, 64, 8, 128, 32), (5, 64, 8, 128, 33)])
+                                       (5, 64, 8, 128, 33)])
 def test_fused_tiny_pair_with_and_without_fill_blocks(T, E, K, B, L, fill, det):
     """The fused tiny pair with its LoRA side's fill blocks (blocks 2.. of a cooperative
-    launch; split at each row's bound up to SPLIT_ROWS rows, or all of it) and without, each
-    asked for by its policy, also one block up to any fill size; the result as two separate
-    calls', and deterministic bit for bit."""
+    launch) and without, each asked for by its policy, also one block up to any fill size;
+    the result as two separate calls', and deterministic bit for bit."""
     policy = mla.AlignPolicy(tiny_fill_blocks_from=0 if fill else 1 << 62,
-                             tiny_split_fill_routes=1 << 30 if fill == "split" else 0,
                              coop_over_single_entries=1 << 30,
                              coop_over_filled_single_entries=1 << 30)
     P, M = mla.buffer_sizes(T * K, E, B)
     launch = mla._dispatch.choose_pair(T * K, E, L * E, L, mla._launch.device_limits(0),
                                        deterministic=det, out_entries=L * (P + M),
                                        policy=policy)
-    assert launch is not None and launch.tiny and bool(launch.fill_grid) == bool(fill)
-    assert launch.fill_split == (fill == "split" and L <= mla._dispatch.SPLIT_ROWS)
+    assert launch is not None and launch.tiny and bool(launch.fill_grid) == fill
     ids, mapping, lora_ids, enabled = _inputs(T, E, K, L, seed=5, disabled=2)
     for with_ids in (True, False):
         args = dict(lora_ids=cupy.asarray(lora_ids) if with_ids else None,

@@ -55,10 +55,6 @@ struct __attribute__((aligned(16))) int4 {
 struct __attribute__((aligned(16))) uint4 {
   unsigned x, y, z, w;
 };
-struct __attribute__((aligned(8))) int2 {
-  int x, y;
-};
-inline int2 make_int2(int x, int y) { return {x, y}; }
 inline int4 make_int4(int x, int y, int z, int w) { return {x, y, z, w}; }
 inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
 
