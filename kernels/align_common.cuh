@@ -286,31 +286,35 @@ __device__ __forceinline__ int claim_in_lane_order(unsigned short* counter, int 
   return bucket >= 0 ? base + __popc(peers & lanemask_lt()) : -1;
 }
 
-// Fill rows [rows, pitch] of `base` with `value` in [0, len), skipping rows not written.
-// 16-byte stores where alignment allows; never touches [len, pitch). Row r starts at thread
-// r * units mod nthreads, so the rows spread over all threads (all blocks) as one flat range
-// would: starting every row at thread 0 left most blocks idle and each SM's store queue
-// holds only so much.
-__device__ void fill_rows(const Problem& p, const unsigned char* processed, int* base, int pitch,
-                          int len, int value, int tid, int nthreads) {
-  const bool vec = ((pitch & 3) == 0) && ((reinterpret_cast<unsigned long long>(base) & 15) == 0);
-  const int units = vec ? (len >> 2) : len, step = units % nthreads;
-  const int4 v = make_int4(value, value, value, value);
-  int offset = 0;
-  for (int r = 0; r < p.rows; ++r) {
-    if (row_written(p, processed, r)) {
-      int* row = base + (long long)r * pitch;
-      int k = tid - offset;
-      if (k < 0) k += nthreads;
-      if (vec) {
-        for (; k < units; k += nthreads) reinterpret_cast<int4*>(row)[k] = v;
-        for (int q = 4 * units + tid; q < len; q += nthreads) row[q] = value;
-      } else {
-        for (; k < units; k += nthreads) row[k] = value;
-      }
+// The sentinel fill of every written row of sorted_ids, and with `tiles` -1 in all its tile
+// owners, over threads [0, nthreads) from `tid`; 16-byte stores where alignment allows, never
+// past padded_len. Each row goes to a group of nthreads / rows threads, whole warps where a
+// group has 32 or more (past as many rows as groups, a group a row in turn): a loop over
+// every row in every thread cost each thread every row's setup, which at LoRA sizes (16
+// rows, 32 warps an SM) was the fill's time (r44's stamps: 5700 cycles for a fill block to
+// issue 28 KB).
+__device__ void fill_rows(const Problem& p, const unsigned char* processed, int tid, int nthreads,
+                          bool tiles) {
+  const bool vec = ((p.sorted_pitch & 3) == 0) &&
+                   ((reinterpret_cast<unsigned long long>(p.sorted_ids) & 15) == 0);
+  const int units = vec ? p.padded_len >> 2 : 0;
+  int group = p.rows >= nthreads ? 1 : nthreads / p.rows;  // threads a row
+  if (group >= 32) group &= ~31;
+  const int row0 = tid / group, from = tid - row0 * group;
+  const int4 sentinel = make_int4(p.numel, p.numel, p.numel, p.numel);
+#pragma unroll 1
+  for (int r = row0; r < p.rows; r += nthreads / group) {  // a last, partial group idles
+    if (!row_written(p, processed, r)) continue;
+    int* row = p.sorted_ids + (long long)r * p.sorted_pitch;
+#pragma unroll 1
+    for (int k = from; k < units; k += group) reinterpret_cast<int4*>(row)[k] = sentinel;
+#pragma unroll 1
+    for (int k = 4 * units + from; k < p.padded_len; k += group) row[k] = p.numel;
+    if (tiles) {
+#pragma unroll 1
+      for (int k = from; k < p.num_tiles; k += group)
+        p.expert_ids[(long long)r * p.expert_pitch + k] = -1;
     }
-    offset += step;
-    if (offset >= nthreads) offset -= nthreads;
   }
 }
 
@@ -470,19 +474,6 @@ __device__ void write_totals(const Problem& p, const unsigned char* processed, c
 
 __device__ __forceinline__ int row_of(const Problem& p, int bucket) {
   return fast_div(bucket, p.experts_magic, p.experts_shift);
-}
-
-// -1 into every tile of every written row, over threads [0, nthreads) from `tid`: one flat
-// range over the rows (few tiles a row). Kernels that write it before counting overwrite the
-// owned tiles afterwards (write_bucket_tiles), ordered by a barrier.
-__device__ __forceinline__ void fill_tile_ids(const Problem& p, const unsigned char* processed,
-                                              int tid, int nthreads) {
-#pragma unroll 1
-  for (int k = tid; k < p.rows * p.num_tiles; k += nthreads) {
-    const int r = fast_div(k, p.tiles_magic, p.tiles_shift);
-    if (row_written(p, processed, r))
-      p.expert_ids[(long long)r * p.expert_pitch + (k - r * p.num_tiles)] = -1;
-  }
 }
 
 // Bucket b's tiles, `tiles` of them from its segment start `start` (all rows' scan: `starts`

@@ -82,38 +82,13 @@ __device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
 // launches with fill blocks are cooperative: every block is resident, so none waits for a
 // block that has not started). The fill's stores then drain beside the aligning blocks'
 // chain of round trips instead of ahead of it.
-// Each written row goes to a group of the fill blocks' warps (warps / rows of them; past as
-// many rows as warps, a warp a row in turn): a loop over every row in every thread, as in
-// fill_rows, cost each thread every row's setup on 32 warps an SM (r44's stamps, H100: LoRA
-// T=16 E=256 16 slots, 5 fill blocks of 1024 threads, 5700 cycles to issue 28 KB a block).
 __device__ void fill_and_arrive(const Problem& p, int fill_block, bool tiles, unsigned* arrivals) {
   MLA_STAMP(7, 0);
   unsigned char* processed = dynamic_smem;
   mark_processed_rows(p, processed);
   MLA_STAMP(7, 1);
-  const int nwarps = blockDim.x >> 5, warps = p.fill_blocks * nwarps;
-  const int gwarp = fill_block * nwarps + (threadIdx.x >> 5);
-  const int group = p.rows >= warps ? 1 : warps / p.rows;  // warps a row
-  const int row0 = gwarp / group, step = 32 * group;
-  const int from = (gwarp - row0 * group) * 32 + (threadIdx.x & 31);
-  const bool vec = ((p.sorted_pitch & 3) == 0) &&
-                   ((reinterpret_cast<unsigned long long>(p.sorted_ids) & 15) == 0);
-  const int units = vec ? p.padded_len >> 2 : 0;
-  const int4 sentinel = make_int4(p.numel, p.numel, p.numel, p.numel);
-#pragma unroll 1
-  for (int r = row0; r < p.rows; r += warps / group) {  // a last, partial group idles
-    if (!row_written(p, processed, r)) continue;
-    int* row = p.sorted_ids + (long long)r * p.sorted_pitch;
-#pragma unroll 1
-    for (int k = from; k < units; k += step) reinterpret_cast<int4*>(row)[k] = sentinel;
-#pragma unroll 1
-    for (int k = 4 * units + from; k < p.padded_len; k += step) row[k] = p.numel;
-    if (tiles) {
-#pragma unroll 1
-      for (int k = from; k < p.num_tiles; k += step)
-        p.expert_ids[(long long)r * p.expert_pitch + k] = -1;
-    }
-  }
+  fill_rows(p, processed, fill_block * blockDim.x + threadIdx.x, p.fill_blocks * blockDim.x,
+            tiles);
   MLA_STAMP(7, 2);
   __syncthreads();
   MLA_STAMP(7, 3);

@@ -102,8 +102,7 @@ __device__ __forceinline__ void align_in_cluster(const Problem& p) {
   MLA_STAMP(4, 1);
   // This block's share of the fills, cut over the cluster's threads; the barrier below
   // orders them before the route and tile-owner stores of every block.
-  fill_rows(p, processed, p.sorted_ids, p.sorted_pitch, p.padded_len, p.numel, ctid, cthreads);
-  fill_tile_ids(p, processed, ctid, cthreads);
+  fill_rows(p, processed, ctid, cthreads, true);
   MLA_STAMP(4, 2);
 
   int bucket[CLUSTER_ITEMS], rank_in_block[CLUSTER_ITEMS];

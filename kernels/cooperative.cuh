@@ -94,7 +94,7 @@ __device__ __forceinline__ void align_cooperatively(const Problem& p, int block,
   // Routes overwrite the fill after the barrier, which orders every fill store before them.
   // With fill blocks (p.fill_blocks > 0) those write it, beside this chain.
   if (p.fill_blocks == 0)
-    fill_rows(p, processed, p.sorted_ids, p.sorted_pitch, p.padded_len, p.numel, tid, nthreads);
+    fill_rows(p, processed, tid, nthreads, false);
   MLA_STAMP(3, 1);
 
   int bucket[COOP_ITEMS], rank[COOP_ITEMS];

@@ -65,8 +65,7 @@ __global__ void align_count(const Problem p) {
   __syncthreads();
   MLA_STAMP(1, 4);
   const auto fill_share = [&] {
-    fill_rows(p, processed, p.sorted_ids, p.sorted_pitch, p.padded_len, p.numel,
-              blockIdx.x * blockDim.x + threadIdx.x, gridDim.x * blockDim.x);
+    fill_rows(p, processed, blockIdx.x * blockDim.x + threadIdx.x, gridDim.x * blockDim.x, false);
   };
   if (!is_last) {
     fill_share();

@@ -31,7 +31,7 @@ __device__ void align_in_one_block(const Problem& p, int stamp_as = 0) {
   if (DET)
     for (int k = threadIdx.x; k < nwarps * stride; k += blockDim.x) warp_counts[k] = 0;
   mark_processed_rows(p, processed);
-  fill_rows(p, processed, p.sorted_ids, p.sorted_pitch, p.padded_len, p.numel, threadIdx.x, blockDim.x);
+  fill_rows(p, processed, threadIdx.x, blockDim.x, false);
   MLA_STAMP(stamp_as, 1);
 
   if (!DET) {
@@ -159,39 +159,24 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
   else mark_processed_rows(p, processed);  // and its barrier
   // The sentinel fill of every written row, and -1 in all its tiles: fire-and-forget stores
   // that drain while the block counts (routes and tile owners overwrite them after the
-  // barriers below, so nothing is left to write past the totals at the end).
-  const int4 sentinel = make_int4(p.numel, p.numel, p.numel, p.numel);
-  const bool vec = ((p.sorted_pitch & 3) == 0) &&
-                   ((reinterpret_cast<unsigned long long>(p.sorted_ids) & 15) == 0);
-  const int units = vec ? (p.padded_len >> 2) : 0;
-  // else the launch's other blocks write the fill
+  // barriers below, so nothing is left to write past the totals at the end). With fill
+  // blocks (FILLED) the launch's other blocks write it.
   const bool fills = !FILLED || p.fill_blocks == 0;
-  const auto fill_row = [&](int r, int from, int step) {
-    if (!BASE && !row_written(p, processed, r)) return;
-    int* row = p.sorted_ids + (long long)r * p.sorted_pitch;
-#pragma unroll 1
-    for (int k = from; k < units; k += step) reinterpret_cast<int4*>(row)[k] = sentinel;
-#pragma unroll 1
-    for (int k = 4 * units + from; k < p.padded_len; k += step) row[k] = p.numel;
-  };
   if (!fills) {
-  } else if (BASE) {
-    fill_row(0, tid, bd);
+  } else if (BASE) {  // one row, always written: no row flags (not marked on this path)
+    const int4 sentinel = make_int4(p.numel, p.numel, p.numel, p.numel);
+    const bool vec = ((p.sorted_pitch & 3) == 0) &&
+                     ((reinterpret_cast<unsigned long long>(p.sorted_ids) & 15) == 0);
+    const int units = vec ? (p.padded_len >> 2) : 0;
+#pragma unroll 1
+    for (int k = tid; k < units; k += bd) reinterpret_cast<int4*>(p.sorted_ids)[k] = sentinel;
+#pragma unroll 1
+    for (int k = 4 * units + tid; k < p.padded_len; k += bd) p.sorted_ids[k] = p.numel;
 #pragma unroll 1
     for (int k = tid; k < p.num_tiles; k += bd) p.expert_ids[k] = -1;
-  } else if (p.rows > 1 && 2 * (vec ? units : p.padded_len) <= (int)blockDim.x) {
-    // Short rows: a group of nwarps / rows warps fills each (one warp a row when rows >=
-    // nwarps); all rows in every thread would leave most threads idle on every row.
-    const int group = p.rows >= nwarps ? 1 : nwarps / p.rows;
-    const int row0 = warp / group;  // a last, incomplete group gets row0 >= rows: it idles
-#pragma unroll 1
-    for (int r = row0; r < p.rows; r += nwarps / group)
-      fill_row(r, tid - row0 * group * 32, 32 * group);
   } else {
-#pragma unroll 1
-    for (int r = 0; r < p.rows; ++r) fill_row(r, tid, blockDim.x);
+    fill_rows(p, processed, tid, bd, true);
   }
-  if (!BASE && fills) fill_tile_ids(p, processed, tid, blockDim.x);
   MLA_STAMP(0, 1);
 
   int bucket[TINY_ITEMS], rank[TINY_ITEMS];

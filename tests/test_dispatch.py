@@ -613,8 +613,9 @@ def test_tiny_fill_blocks():
     assert launch.fill_grid == -(-entries // policy.fill_per_block) and launch.grid == 1 + launch.fill_grid
     assert launch.block == d.tiny_block_threads(128, 0, 16 * 256)
     # below the threshold, or one warp's routes: block 0 fills
-    for numel, out in ((128, policy.tiny_fill_blocks_from - 1), (d.WARP_ROUTES, 50000)):
-        small = d.choose_launch(numel, 16 * 64, 16, H200, out_entries=out)
+    cut = d.AlignPolicy(tiny_fill_blocks_from=32768)
+    for numel, out, pol in ((128, 32767, cut), (d.WARP_ROUTES, 50000, policy)):
+        small = d.choose_launch(numel, 16 * 64, 16, H200, out_entries=out, policy=pol)
         assert small.tiny and small.grid == 1 and not small.fill_grid
     at = d.choose_launch(d.WARP_ROUTES + 1, 16 * 64, 16, H200, out_entries=50000)
     assert at.tiny and at.fill_grid
@@ -627,8 +628,7 @@ def test_tiny_fill_blocks():
     assert pair.tiny and pair.fill_grid == launch.fill_grid and pair.grid == 2 + pair.fill_grid
     sides = [(256, 1), (16 * 256, 16)]
     d.check_launch(pair, 128, sides, H200)
-    small = d.choose_pair(128, 256, 16 * 64, 16, H200,
-                          out_entries=policy.tiny_fill_blocks_from - 1)
+    small = d.choose_pair(128, 256, 16 * 64, 16, H200, out_entries=32767, policy=cut)
     assert small.tiny and small.grid == 2 and not small.fill_grid
     import dataclasses
     with pytest.raises(d.LaunchRefused, match="not 1 and"):

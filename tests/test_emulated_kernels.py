@@ -417,9 +417,10 @@ def test_a_block_that_waits_for_another_needs_a_cooperative_launch(emu, monkeypa
 
 
 def test_a_barrier_that_cannot_complete_is_reported(emu, tmp_path):
-    # Thread 0 waits for an arrival that never comes; the others wait for it at the barrier.
+    # Thread 0 waits for arrivals that never come (more than the fill blocks make); the
+    # others wait for it at the barrier.
     scan = "  if (tid == 0) starts[nb] = total;\n"
-    never = "  if (tid == 0) while (*(volatile unsigned*)p.ticket < 1u) __nanosleep(32);\n"
+    never = "  if (tid == 0) while (*(volatile unsigned*)p.ticket < 1000u) __nanosleep(32);\n"
     broken = _mutant(tmp_path, "one_block.cuh", scan, scan + never)
     with pytest.raises(RuntimeError, match="deadlock"):
         emulator.run(broken, Case(16, 8, 256, 16).job(False))
