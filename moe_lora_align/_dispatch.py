@@ -82,9 +82,12 @@ class AlignPolicy:
     coop_fill_blocks_free_routes: int = 196608
     coop_fill_blocks_free_below: int = 655360
     # From this many output entries align_tiny (past one warp's routes) gets fill blocks:
-    # a block per fill_per_block entries writes the fill while block 0 counts. Since r44's
-    # faster fill blocks, at every size (r45: LoRA T=16 E=64 16 slots 3.90 against 4.97 us).
+    # a block per fill_per_block entries writes the fill while block 0 counts. LoRA rows
+    # gain at every size since r44's faster fill blocks (r45, H100: T=16 E=64 16 slots 3.90
+    # against 4.97 us); one row's fill is short, and below the second figure block 0 writes
+    # it sooner than it could wait for a fill block (base T=16 E=64 2.18 against 2.87 us).
     tiny_fill_blocks_from: int = 0
+    tiny_fill_blocks_one_row_from: int = 32768
     chunk_matrix_budget: int = 1 << 18   # entries of the deterministic [chunks, buckets] matrix
 
 
@@ -298,15 +301,16 @@ def tiny_warp_counter_bytes(numel: int, block: int, num_buckets: int) -> int:
 
 
 def tiny_fill_blocks(numel: int, out_entries: int, limits: DeviceLimits,
-                     policy: AlignPolicy = DEFAULT_POLICY, aligning: int = 1) -> int:
-    """Fill blocks of an align_tiny launch (or of the LoRA side of the fused tiny pair) beside
-    its ``aligning`` blocks: one per ``fill_per_block`` output entries from
-    ``tiny_fill_blocks_from`` on, the launch within the SMs; none on the one-warp path (which
-    fills itself) or where the launch cannot be cooperative (the aligning blocks wait for the
-    fill blocks, so all must be resident). The aligning blocks are then sized without the
-    fill."""
-    if (not limits.cooperative or numel <= WARP_ROUTES
-            or out_entries < policy.tiny_fill_blocks_from):
+                     policy: AlignPolicy = DEFAULT_POLICY, aligning: int = 1,
+                     rows: int = 2) -> int:
+    """Fill blocks of an align_tiny launch of ``rows`` rows (or of the LoRA side of the fused
+    tiny pair) beside its ``aligning`` blocks: one per ``fill_per_block`` output entries from
+    ``tiny_fill_blocks_from`` on (one row: ``tiny_fill_blocks_one_row_from``), the launch
+    within the SMs; none on the one-warp path (which fills itself) or where the launch cannot
+    be cooperative (the aligning blocks wait for the fill blocks, so all must be resident).
+    The aligning blocks are then sized without the fill."""
+    cut = policy.tiny_fill_blocks_from if rows > 1 else policy.tiny_fill_blocks_one_row_from
+    if not limits.cooperative or numel <= WARP_ROUTES or out_entries < cut:
         return 0
     return max(0, min(limits.sm_count - aligning, _ceil_div(out_entries, policy.fill_per_block)))
 
@@ -317,7 +321,7 @@ def _single_block(numel, num_buckets, rows, deterministic, limits, out_entries=0
         return None
     base = smem_one_block(num_buckets, rows)
     block = single_block_threads(numel, out_entries, num_buckets, policy)
-    fill = tiny_fill_blocks(numel, out_entries, limits, policy) if fill_blocks else 0
+    fill = tiny_fill_blocks(numel, out_entries, limits, policy, rows=rows) if fill_blocks else 0
     tiny = (tiny_block_threads(numel, 0 if fill else out_entries, num_buckets, policy)
             if policy.use_tiny and use_tiny else None)
     if tiny is not None:
@@ -714,7 +718,7 @@ def choose_pair(numel: int, base_buckets: int, lora_buckets: int, rows: int,
     loses to the cooperative pair). ``out_entries``: output entries of the LoRA side."""
     # The base side's block writes its own fill; the LoRA side's may have fill blocks (the
     # tiny pair only: blocks 2.. of its launch), and its block is then sized without it.
-    fill = tiny_fill_blocks(numel, out_entries, limits, policy, aligning=2)
+    fill = tiny_fill_blocks(numel, out_entries, limits, policy, aligning=2, rows=rows)
 
     def cooperative_wins(filled: bool) -> bool:
         return (prefer_cooperative and not deterministic and limits.cooperative

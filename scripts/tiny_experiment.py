@@ -118,7 +118,8 @@ def make_call(case, stream, det=False, policy=None):
 
 
 # Sources of earlier commits know no fill blocks: their runs have none.
-ONE = {"tiny_one_bucket_max": 1024, "tiny_fill_blocks_from": 1 << 62,
+NO_TINY_FILL = {"tiny_fill_blocks_from": 1 << 62, "tiny_fill_blocks_one_row_from": 1 << 62}
+ONE = {"tiny_one_bucket_max": 1024, **NO_TINY_FILL,
        "coop_fill_blocks_from": 1 << 62}
 NO_COOP = {"coop_over_single_entries": 1 << 30,
            "coop_over_filled_single_entries": 1 << 30}
@@ -131,12 +132,12 @@ RUNS = [  # name, AlignPolicy fields, kernel sources (None: the package's), one 
     ("no fill blocks", {"coop_fill_blocks_from": 1 << 62}, None, False, False),
     ("entries bound only", {"coop_fill_blocks_free_below": 0}, None, False, False),
     ("det no fill blocks", {"coop_fill_blocks_from": 1 << 62}, None, False, True),
-    ("no tiny fill blocks", {"tiny_fill_blocks_from": 1 << 62}, None, False, False),
-    ("det no tiny fill blocks", {"tiny_fill_blocks_from": 1 << 62}, None, False, True),
-    ("no coop no tiny fill blocks", {**NO_COOP, "tiny_fill_blocks_from": 1 << 62}, None, False,
-     False),
+    ("no tiny fill blocks", NO_TINY_FILL, None, False, False),
+    ("det no tiny fill blocks", NO_TINY_FILL, None, False, True),
+    ("no coop no tiny fill blocks", {**NO_COOP, **NO_TINY_FILL}, None, False, False),
     ("no cluster", {"cluster_min_routes": 1 << 30}, None, False, False),
-    ("no cluster tiny fill blocks", {"cluster_min_routes": 1 << 30, "tiny_fill_blocks_from": 0},
+    ("no cluster tiny fill blocks", {"cluster_min_routes": 1 << 30, "tiny_fill_blocks_from": 0,
+                                     "tiny_fill_blocks_one_row_from": 0},
      None, False, False),
     ("no fill blocks no cluster", {"cluster_min_routes": 1 << 30,
                                    "coop_fill_blocks_from": 1 << 62}, None, False, False)]

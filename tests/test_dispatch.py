@@ -498,7 +498,8 @@ def test_decode_with_a_large_fill_prefers_the_cooperative_launch():
     # LoRA T=256 E=256 B=16, 16 slots: 100K output entries through one SM lose to the grid,
     # unless fill blocks write them beside it (up to coop_over_filled_single_entries)
     entries = 16 * (5888 + 368)
-    no_tiny_fill = d.AlignPolicy(tiny_fill_blocks_from=1 << 62)
+    no_tiny_fill = d.AlignPolicy(tiny_fill_blocks_from=1 << 62,
+                                 tiny_fill_blocks_one_row_from=1 << 62)
     filled = d.choose_launch(2048, 16 * 256, 16, H200, out_entries=entries)
     assert filled.kind == "single" and filled.tiny and filled.fill_grid
     for det in (False, True):
@@ -619,6 +620,12 @@ def test_tiny_fill_blocks():
         assert small.tiny and small.grid == 1 and not small.fill_grid
     at = d.choose_launch(d.WARP_ROUTES + 1, 16 * 64, 16, H200, out_entries=50000)
     assert at.tiny and at.fill_grid
+    # LoRA rows get them at any size by default; one row from tiny_fill_blocks_one_row_from
+    assert d.choose_launch(128, 4 * 64, 4, H200, out_entries=4 * (128 + 64 * 15)).fill_grid
+    one_row = policy.tiny_fill_blocks_one_row_from
+    for out, fills in ((128 + 256 * 15, False), (one_row - 1, False), (one_row, True)):
+        base = d.choose_launch(128, 256, 1, H200, out_entries=out)
+        assert base.tiny and bool(base.fill_grid) == fills, out
     # never more blocks than SMs
     most = d.choose_launch(4096, 16 * 256, 16, H200, out_entries=10**8,
                            policy=d.AlignPolicy(coop_over_single_entries=10**9,

@@ -468,7 +468,8 @@ def _every_kernel(emu):
                                         (1024, 64, None, "shared", ORDERED),
                                         (1024, 64, None, "global", ORDERED),
                                         (1024, 64, None, "shared", SORTED),
-                                        (40, 64, 4, None, TINY_FILL["tiny_fill_blocks"])]:
+                                        (40, 64, 4, None, TINY_FILL["tiny_fill_blocks"]),
+                                        (40, 64, 4, None, TINY_FILL["no_tiny_fill_blocks"])]:
         for det in (False, True):
             if not _refused(variant, det, T * 8, E, 1, policy):
                 _run(emu, Case(T, 8, E, 16, rows=rows, seed=T), det, variant, policy,
@@ -477,7 +478,8 @@ def _every_kernel(emu):
                                (CLUSTER_T, 64, 4, _dispatch.DEFAULT_POLICY),
                                (2048, 64, 4, _dispatch.DEFAULT_POLICY),
                                (2048, 256, 16, _dispatch.DEFAULT_POLICY),
-                               (40, 64, 4, TINY_FILL["tiny_fill_blocks"])]:
+                               (40, 64, 4, TINY_FILL["tiny_fill_blocks"]),
+                               (40, 64, 4, TINY_FILL["no_tiny_fill_blocks"])]:
         for det in (False, True):
             base, lora = Case(T, 8, E, 64, seed=T), Case(T, 8, E, 64, rows=rows, seed=T)
             lora.ids[:] = base.ids
@@ -536,9 +538,11 @@ def test_lora_cooperative_with_and_without_fill_blocks(emu, E, T, rows, det, how
 
 BIG_SINGLE = 1 << 30
 TINY_FILL = {"tiny_fill_blocks": AlignPolicy(tiny_fill_blocks_from=0,
+                                             tiny_fill_blocks_one_row_from=0,
                                              coop_over_single_entries=BIG_SINGLE,
                                              coop_over_filled_single_entries=BIG_SINGLE),
              "no_tiny_fill_blocks": AlignPolicy(tiny_fill_blocks_from=1 << 62,
+                                                tiny_fill_blocks_one_row_from=1 << 62,
                                                 coop_over_single_entries=BIG_SINGLE,
                                                 coop_over_filled_single_entries=BIG_SINGLE)}
 
@@ -580,6 +584,7 @@ def test_lora_tiny_with_and_without_fill_blocks(emu, E, T, rows, det, how):
                                      (255, 64, 16, 16), (5, 64, 128, 33)])
 def test_fused_tiny_pair_with_and_without_fill_blocks(emu, T, E, B, L, fill, det):
     policy = AlignPolicy(tiny_fill_blocks_from=0 if fill else 1 << 62,
+                         tiny_fill_blocks_one_row_from=0 if fill else 1 << 62,
                          coop_over_single_entries=BIG_SINGLE,
                          coop_over_filled_single_entries=BIG_SINGLE)
     base = Case(T, 8, E, B, seed=T)

@@ -102,6 +102,7 @@ def test_fused_tiny_pair_with_and_without_fill_blocks(T, E, K, B, L, fill, det):
     launch) and without, each asked for by its policy, also one block up to any fill size;
     the result as two separate calls', and deterministic bit for bit."""
     policy = mla.AlignPolicy(tiny_fill_blocks_from=0 if fill else 1 << 62,
+                             tiny_fill_blocks_one_row_from=0 if fill else 1 << 62,
                              coop_over_single_entries=1 << 30,
                              coop_over_filled_single_entries=1 << 30)
     P, M = mla.buffer_sizes(T * K, E, B)
