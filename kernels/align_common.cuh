@@ -298,12 +298,16 @@ __device__ void fill_rows(const Problem& p, const unsigned char* processed, int 
   const bool vec = ((p.sorted_pitch & 3) == 0) &&
                    ((reinterpret_cast<unsigned long long>(p.sorted_ids) & 15) == 0);
   const int units = vec ? p.padded_len >> 2 : 0;
-  int group = p.rows >= nthreads ? 1 : nthreads / p.rows;  // threads a row
-  if (group >= 32) group &= ~31;
-  const int row0 = tid / group, from = tid - row0 * group;
+  // One row (base calls): every thread on it, without the divisions on the way to the
+  // first store.
+  const bool one_row = p.rows == 1;
+  int group = one_row ? nthreads : p.rows >= nthreads ? 1 : nthreads / p.rows;  // threads a row
+  if (!one_row && group >= 32) group &= ~31;
+  const int row0 = one_row ? 0 : tid / group, from = tid - row0 * group;
+  const int groups = one_row ? 1 : nthreads / group;
   const int4 sentinel = make_int4(p.numel, p.numel, p.numel, p.numel);
 #pragma unroll 1
-  for (int r = row0; r < p.rows; r += nthreads / group) {  // a last, partial group idles
+  for (int r = row0; r < p.rows; r += groups) {  // a last, partial group idles
     if (!row_written(p, processed, r)) continue;
     int* row = p.sorted_ids + (long long)r * p.sorted_pitch;
 #pragma unroll 1
