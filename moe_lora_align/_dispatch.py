@@ -300,9 +300,8 @@ def tiny_warp_counter_bytes(numel: int, block: int, num_buckets: int) -> int:
     return 2 * _ceil_div(numel, 32 * items) * (num_buckets + (num_buckets & 1))
 
 
-def tiny_fill_blocks(numel: int, out_entries: int, limits: DeviceLimits,
-                     policy: AlignPolicy = DEFAULT_POLICY, aligning: int = 1,
-                     rows: int = 2) -> int:
+def tiny_fill_blocks(numel: int, out_entries: int, rows: int, limits: DeviceLimits,
+                     policy: AlignPolicy = DEFAULT_POLICY, aligning: int = 1) -> int:
     """Fill blocks of an align_tiny launch of ``rows`` rows (or of the LoRA side of the fused
     tiny pair) beside its ``aligning`` blocks: one per ``fill_per_block`` output entries from
     ``tiny_fill_blocks_from`` on (one row: ``tiny_fill_blocks_one_row_from``), the launch
@@ -321,7 +320,7 @@ def _single_block(numel, num_buckets, rows, deterministic, limits, out_entries=0
         return None
     base = smem_one_block(num_buckets, rows)
     block = single_block_threads(numel, out_entries, num_buckets, policy)
-    fill = tiny_fill_blocks(numel, out_entries, limits, policy, rows=rows) if fill_blocks else 0
+    fill = tiny_fill_blocks(numel, out_entries, rows, limits, policy) if fill_blocks else 0
     tiny = (tiny_block_threads(numel, 0 if fill else out_entries, num_buckets, policy)
             if policy.use_tiny and use_tiny else None)
     if tiny is not None:
@@ -718,7 +717,7 @@ def choose_pair(numel: int, base_buckets: int, lora_buckets: int, rows: int,
     loses to the cooperative pair). ``out_entries``: output entries of the LoRA side."""
     # The base side's block writes its own fill; the LoRA side's may have fill blocks (the
     # tiny pair only: blocks 2.. of its launch), and its block is then sized without it.
-    fill = tiny_fill_blocks(numel, out_entries, limits, policy, aligning=2, rows=rows)
+    fill = tiny_fill_blocks(numel, out_entries, rows, limits, policy, aligning=2)
 
     def cooperative_wins(filled: bool) -> bool:
         return (prefer_cooperative and not deterministic and limits.cooperative
