@@ -366,12 +366,12 @@ def test_lora_cooperative_with_and_without_fill_blocks(E, T, rows, det, how):
 BIG_SINGLE = 1 << 30
 TINY_FILL = {"tiny_fill_blocks": mla.AlignPolicy(tiny_fill_blocks_from=0,
                                                  tiny_fill_blocks_one_row_from=0,
-                                                  coop_over_single_entries=BIG_SINGLE,
-                                                  coop_over_filled_single_entries=BIG_SINGLE),
+                                                 coop_over_single_entries=BIG_SINGLE,
+                                                 coop_over_filled_single_entries=BIG_SINGLE),
              "no_tiny_fill_blocks": mla.AlignPolicy(tiny_fill_blocks_from=1 << 62,
                                                     tiny_fill_blocks_one_row_from=1 << 62,
-                                                     coop_over_single_entries=BIG_SINGLE,
-                                                     coop_over_filled_single_entries=BIG_SINGLE)}
+                                                    coop_over_single_entries=BIG_SINGLE,
+                                                    coop_over_filled_single_entries=BIG_SINGLE)}
 
 
 def _tiny_fill_launch(numel, buckets, rows, det, how):
