@@ -43,7 +43,8 @@ struct Problem {
   int range_width;              // buckets per block (deterministic multi-block kernels)
   int ranges;                   // bucket ranges per chunk (deterministic multi-block kernels)
   int starts_in_smem;           // place kernel: copy starts to shared memory for the tile search
-  int stage_output;             // place kernel (shared mode): stage routes for coalesced stores
+  int stage_output;             // place kernel (shared mode): stage routes for coalesced stores;
+                                //   a base call of align_tiny_filled: ints of its row image, 0 none
   unsigned int topk_magic;      // n / d == (n * magic) >> shift for 0 <= n < 2^31 (host-made)
   int topk_shift;
   unsigned int block_magic;

@@ -124,8 +124,11 @@ __device__ __forceinline__ bool base_problem(const Problem& p) {
 // guard for the others. BASE: a base_problem (one row, always processed), compiled apart so
 // the row arithmetic and the row flags fold away, as in align_warp's base instance.
 // FILLED: the kernels whose launches may have fill blocks (align_tiny_filled and its pair);
-// the others carry none of their code.
-template <typename IdT, int PER, bool DET, bool BASE, bool FILLED>
+// the others carry none of their code. STAGED (BASE in align_tiny_filled, p.stage_output
+// ints of shared memory after the counters holding the row): the row is built in shared
+// memory, the fill included, and stored coalesced after the scan. One SM's scattered route
+// stores were the largest stage of base T=256 (r44's stamps: 3324 of 8008 cycles).
+template <typename IdT, int PER, bool DET, bool BASE, bool FILLED, bool STAGED = false>
 __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
   __shared__ int warp_sums[32];
   const int nb = num_buckets(p), tid = threadIdx.x;
@@ -139,6 +142,10 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
   const int route_warps = DET ? (p.numel + (32 << (items >> 1)) - 1) >> (5 + (items >> 1)) : 0;
   const int stride = (nb + 1) & ~1;
   unsigned short* warp_counts = reinterpret_cast<unsigned short*>(starts + nb + 1);
+  // STAGED: the row, 16-byte aligned after the counters (_dispatch.tiny_stage_entries).
+  int* image = reinterpret_cast<int*>(
+      dynamic_smem + ((row_region_bytes(p.rows) + 4 * (nb + 1) +
+                       (DET ? 2 * route_warps * stride : 0) + 15) & ~15));
   const auto route_index = [&](int j) {
     return DET ? (j < items ? (warp * items + j) * 32 + lane : p.numel) : j * bd + tid;
   };
@@ -162,7 +169,16 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
   // barriers below, so nothing is left to write past the totals at the end). With fill
   // blocks (FILLED) the launch's other blocks write it.
   const bool fills = !FILLED || p.fill_blocks == 0;
-  if (!fills) {
+  if (STAGED) {  // the fill into the row's image; the tiles as below
+    const int4 sentinel = make_int4(p.numel, p.numel, p.numel, p.numel);
+    const int units = p.padded_len >> 2;
+#pragma unroll 1
+    for (int k = tid; k < units; k += bd) reinterpret_cast<int4*>(image)[k] = sentinel;
+#pragma unroll 1
+    for (int k = 4 * units + tid; k < p.padded_len; k += bd) image[k] = p.numel;
+#pragma unroll 1
+    for (int k = tid; k < p.num_tiles; k += bd) p.expert_ids[k] = -1;
+  } else if (!fills) {
   } else if (BASE) {  // one row, always written: no row flags (not marked on this path)
     const int4 sentinel = make_int4(p.numel, p.numel, p.numel, p.numel);
     const bool vec = ((p.sorted_pitch & 3) == 0) &&
@@ -232,7 +248,8 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
   for (int j = 0; j < TINY_ITEMS; ++j) {
     if (bucket[j] < 0) continue;
     const int r = DET ? rank[j] + warp_counts[warp * stride + bucket[j]] : rank[j];
-    p.sorted_ids[BASE ? starts[bucket[j]] + r : output_index(p, starts, bucket[j], r)] =
+    if (STAGED) image[starts[bucket[j]] + r] = route_index(j);
+    else p.sorted_ids[BASE ? starts[bucket[j]] + r : output_index(p, starts, bucket[j], r)] =
         route_index(j);
   }
   // Tiles of this thread's buckets (only processed rows have counts).
@@ -251,6 +268,16 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
   }
   if (!BASE) write_totals(p, processed, starts);
   else if (tid == 0) p.num_post_pad[0] = total;
+  if (STAGED) {  // every route in the image: the whole row out, 16 bytes a store
+    __syncthreads();
+    const bool vec = (reinterpret_cast<unsigned long long>(p.sorted_ids) & 15) == 0;
+    const int units = vec ? p.padded_len >> 2 : 0;
+#pragma unroll 1
+    for (int k = tid; k < units; k += bd)
+      reinterpret_cast<int4*>(p.sorted_ids)[k] = reinterpret_cast<const int4*>(image)[k];
+#pragma unroll 1
+    for (int k = 4 * units + tid; k < p.padded_len; k += bd) p.sorted_ids[k] = image[k];
+  }
   MLA_STAMP(0, 4);
 #ifdef MLA_PROBE
   __syncthreads();
@@ -359,6 +386,8 @@ __device__ __forceinline__ void align_tiny_block(const Problem& p) {
   else if (one_warp && p.rows <= 32) align_warp<IdT, false>(p);
   else if (num_buckets(p) > (int)blockDim.x)
     align_tiny_buckets<IdT, TINY_BUCKETS, DET, false, FILLED>(p);
+  else if (FILLED && base_problem(p) && p.fill_blocks == 0 && p.stage_output >= p.padded_len)
+    align_tiny_buckets<IdT, 1, DET, true, FILLED, true>(p);
   else if (base_problem(p)) align_tiny_buckets<IdT, 1, DET, true, FILLED>(p);
   else align_tiny_buckets<IdT, 1, DET, false, FILLED>(p);
 }
@@ -371,7 +400,8 @@ __global__ void __launch_bounds__(1024, 1) align_tiny(const Problem p) {
 
 // align_tiny whose blocks past the first are fill blocks (p.fill_blocks of them, large LoRA
 // fills; the launch is cooperative): block 0 waits for their arrivals at p.ticket before its
-// stores. A kernel apart, so that decode calls' align_tiny has none of this.
+// stores. Also the base row staged in shared memory (p.stage_output; one block, no fill
+// blocks). A kernel apart, so that decode calls' align_tiny has none of this.
 template <typename IdT, bool DET>
 __global__ void __launch_bounds__(1024, 1) align_tiny_filled(const Problem p) {
   if (blockIdx.x > 0) fill_and_arrive(p, blockIdx.x - 1, true, p.ticket);

@@ -88,6 +88,10 @@ class AlignPolicy:
     # it sooner than it could wait for a fill block (base T=16 E=64 2.18 against 2.87 us).
     tiny_fill_blocks_from: int = 0
     tiny_fill_blocks_one_row_from: int = 32768
+    # From this many routes a base align_tiny call without fill blocks (a thread a bucket)
+    # builds its sorted_ids row in shared memory, where it fits, and stores it coalesced
+    # after the scan (align_tiny_filled's STAGED path). Not yet measured: off.
+    tiny_stage_from: int = 1 << 62
     chunk_matrix_budget: int = 1 << 18   # entries of the deterministic [chunks, buckets] matrix
 
 
@@ -140,7 +144,8 @@ class Launch:
     smem_place: int = 0       # dynamic shared bytes of the place kernel (cooperative and
                               #   cluster: of their one kernel)
     starts_in_smem: bool = False  # place kernel copies the segment starts to shared memory
-    stage_output: bool = False    # place kernel stages routes for coalesced stores (shared)
+    stage_output: bool = False    # place kernel stages routes for coalesced stores (shared);
+                                  #   align_tiny (base): its row built in shared memory
     tiny: bool = False            # single: align_tiny (a thread per bucket), not align_single
     sorted: bool = False      # cooperative, deterministic: sorts every segment after a
                               #   second barrier (else ranks in flat order)
@@ -325,6 +330,13 @@ def _single_block(numel, num_buckets, rows, deterministic, limits, out_entries=0
             if policy.use_tiny and use_tiny else None)
     if tiny is not None:
         smem = base + (tiny_warp_counter_bytes(numel, tiny, num_buckets) if deterministic else 0)
+        # the staged base row (a bound: out_entries holds the row and its tiles)
+        staged = _align16(smem) + 4 * out_entries
+        if (fill_blocks and not fill and rows == 1 and numel >= policy.tiny_stage_from
+                and numel > WARP_ROUTES and num_buckets <= tiny
+                and staged <= limits.dynamic_smem):
+            return Launch("shared", "single", deterministic, tiny, smem_single=staged,
+                          tiny=True, stage_output=True)
         if smem <= limits.dynamic_smem:
             return Launch("shared", "single", deterministic, tiny, grid=1 + fill,
                           smem_single=smem, tiny=True, fill_grid=fill)
@@ -344,6 +356,19 @@ def _single_block(numel, num_buckets, rows, deterministic, limits, out_entries=0
 
 def _ceil_div(a, b):
     return -(-a // b)
+
+
+def _align16(n: int) -> int:
+    return (n + 15) & ~15
+
+
+def tiny_stage_entries(launch: "Launch", numel: int, num_buckets: int) -> int:
+    """Ints of a staged align_tiny launch's row image: its shared memory past the counters,
+    16-byte aligned (kernels/one_block.cuh: align_tiny_buckets' ``image``); 0 unstaged."""
+    if not (launch.kind == "single" and launch.tiny and launch.stage_output):
+        return 0
+    layout = smem_one_block(num_buckets, 1, _one_block_counters(launch, numel, num_buckets))
+    return max(0, (launch.smem_single - _align16(layout)) // 4)
 
 
 def sorts_segments(num_buckets: int, policy: AlignPolicy) -> bool:
@@ -783,7 +808,7 @@ def launch_kernels(launch, fused: bool = False) -> list:
     if launch.kind == "single":
         name = ("tiny" if launch.tiny else "single") if not fused else (
             "tiny_pair" if launch.tiny else "pair")
-        if launch.tiny and launch.fill_grid:
+        if launch.tiny and (launch.fill_grid or launch.stage_output):
             name += "_filled"  # a kernel apart; align_tiny and align_tiny_pair have none
         # align_tiny with fill blocks: cooperative, so that block 0's wait for them returns
         kernels = [((name, det), launch.grid, launch.block, launch.smem_single,

@@ -172,6 +172,13 @@ def division_magic(d: int):
 POINTERS = struct.Struct("<9Q")
 
 
+def _stage_output(job: Job, launch: _dispatch.Launch) -> int:
+    """Problem.stage_output: the place kernel's flag, or a staged align_tiny's image ints."""
+    if launch.kind == "single":
+        return _dispatch.tiny_stage_entries(launch, job.numel, job.num_experts * job.rows)
+    return int(launch.stage_output)
+
+
 def pack(job: Job, launch: _dispatch.Launch, ws: Workspace, fill_blocks: bool = True) -> None:
     """Pack the kernels' ``Problem`` argument of one job into ``job.packed`` (a prepared
     call later rewrites only its array pointers: ``POINTERS``). ``fill_blocks``: the job
@@ -187,7 +194,7 @@ def pack(job: Job, launch: _dispatch.Launch, ws: Workspace, fill_blocks: bool = 
         0 if job.lora_ids is None else int(job.lora_ids.shape[0]), job.padded_len,
         job.num_tiles, job.sorted_pitch, job.expert_pitch, job.map_mode,
         int(job.fill_unprocessed), launch.chunk, launch.range_width, launch.ranges,
-        int(launch.starts_in_smem), int(launch.stage_output), *division_magic(max(job.topk, 1)),
+        int(launch.starts_in_smem), _stage_output(job, launch), *division_magic(max(job.topk, 1)),
         *division_magic(job.block_size), *division_magic(job.num_experts),
         *division_magic(max(job.num_tiles, 1)), ws.buckets if coop else 0,
         launch.grid if coop else 0, launch.fill_grid if fill_blocks else 0)

@@ -827,3 +827,38 @@ def test_every_cooperative_pair_the_dispatcher_gives_has_a_kernel():
                         assert ("cooperative_pair", pair.modes) in names
                         seen.add(pair.modes)
     assert seen == set(d.COOP_PAIR_MODES)
+
+
+def test_tiny_staged_base_row():
+    """A base align_tiny call of more than one warp's routes from tiny_stage_from routes
+    builds its row in shared memory (align_tiny_filled without fill blocks, an ordinary
+    launch) where the image fits; never by default, on LoRA rows, with fill blocks or in a
+    fused pair."""
+    staged = d.AlignPolicy(tiny_stage_from=0)
+    P, M = 2048 + 256 * 15, 368
+    assert not d.choose_launch(2048, 256, 1, H200, out_entries=P + M).stage_output
+    launch = d.choose_launch(2048, 256, 1, H200, out_entries=P + M, policy=staged)
+    assert launch.tiny and launch.stage_output and not launch.fill_grid
+    assert d.launch_kernels(launch) == [(("tiny_filled", False), 1, launch.block,
+                                         launch.smem_single, False)]
+    assert d.tiny_stage_entries(launch, 2048, 256) >= P
+    d.check_launch(launch, 2048, [(256, 1)], H200)
+    det = d.choose_launch(2048, 256, 1, H200, deterministic=True, out_entries=P + M,
+                          policy=staged)
+    assert det.stage_output and d.tiny_stage_entries(det, 2048, 256) >= P
+    at = d.AlignPolicy(tiny_stage_from=2048)
+    assert d.choose_launch(2048, 256, 1, H200, out_entries=P + M, policy=at).stage_output
+    assert not d.choose_launch(2047, 256, 1, H200, out_entries=P + M, policy=at).stage_output
+    for numel, nb, rows, out in ((d.WARP_ROUTES, 64, 1, 2000), (128, 4 * 64, 4, 8000),
+                                 (128, 256, 1, H200.dynamic_smem // 4)):
+        assert not d.choose_launch(numel, nb, rows, H200, out_entries=out,
+                                   policy=staged).stage_output
+    filled = d.choose_launch(128, 256, 1, H200, out_entries=40000,
+                             policy=d.AlignPolicy(tiny_stage_from=0,
+                                                  tiny_fill_blocks_one_row_from=0))
+    assert filled.fill_grid and not filled.stage_output
+    pair = d.choose_pair(2048, 256, 16 * 256, 16, H200, out_entries=16 * (P + M),
+                         policy=staged)
+    assert pair is None or not pair.stage_output
+    assert d.tiny_stage_entries(d.choose_launch(2048, 256, 1, H200, out_entries=P + M), 2048,
+                                256) == 0

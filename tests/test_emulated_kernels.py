@@ -566,6 +566,28 @@ def test_base_tiny_with_and_without_fill_blocks(emu, E, T, K, det, how):
                        scatter=salt == 1), det, None, TINY_FILL[how], seeds=(salt,))
 
 
+STAGED = AlignPolicy(tiny_stage_from=0, cluster_min_routes=1 << 30,
+                     coop_over_single_entries=BIG_SINGLE,
+                     coop_over_filled_single_entries=BIG_SINGLE)
+
+
+@pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
+@pytest.mark.parametrize("E,T,K,B", [(64, 33, 1, 16), (1024, 16, 8, 64), (257, 255, 8, 16),
+                                     (7, 512, 8, 128), (256, 256, 8, 16), (512, 100, 10, 1),
+                                     (8, 5, 8, 16)])
+def test_base_tiny_staged_row(emu, E, T, K, B, det):
+    """align_tiny_filled's base row built in shared memory and stored after the scan: the
+    fill, the routes, the tiles, an expert map and scatter indices as the direct path's."""
+    P, M = buffer_sizes(T * K, E, B)
+    launch = _dispatch.choose_launch(T * K, E, 1, emulator.LIMITS, deterministic=det,
+                                     out_entries=P + M, policy=STAGED)
+    assert launch.tiny and launch.stage_output and not launch.fill_grid
+    assert _dispatch.tiny_stage_entries(launch, T * K, E) >= P
+    for salt in range(2):
+        _run(emu, Case(T, K, E, B, seed=120 + salt, map_mode=(None, "after")[salt],
+                       scatter=salt == 1), det, None, STAGED, seeds=(salt,))
+
+
 @pytest.mark.parametrize("how", list(TINY_FILL))
 @pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
 @pytest.mark.parametrize("E,T,rows", [(64, 5, 16), (256, 16, 16), (64, 16, 16), (256, 255, 16),

@@ -28,9 +28,9 @@ def _case_params(E, T, salt):
 
 
 def _base_case(E, T, variant, deterministic, salt, *, expert_map_mode=None, scatter=False,
-               topk=None, policy=None):
+               topk=None, policy=None, block_size=None):
     rng, K, B, dtype, kind = _case_params(E, T, salt)
-    K = topk or K
+    K, B = topk or K, block_size or B
     ids = make_routing(rng, T, K, E, dtype, kind)
     emap = None
     if expert_map_mode is not None:
@@ -391,6 +391,27 @@ def test_base_tiny_with_and_without_fill_blocks(E, T, K, det, how):
     _tiny_fill_launch(T * K, E, 1, det, how)
     for salt in range(2):
         _base_case(E, T, None, det, salt=110 + salt, topk=K, policy=TINY_FILL[how],
+                   expert_map_mode=(None, "after")[salt], scatter=salt == 1)
+
+
+# align_tiny_filled's base row built in shared memory and stored after the scan (asked for
+# by its policy; the cluster off so that 4096 routes stay in one block).
+STAGED = mla.AlignPolicy(tiny_stage_from=0, cluster_min_routes=1 << 30,
+                         coop_over_single_entries=BIG_SINGLE,
+                         coop_over_filled_single_entries=BIG_SINGLE)
+
+
+@pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
+@pytest.mark.parametrize("E,T,K,B", [(64, 33, 1, 16), (1024, 16, 8, 64), (257, 255, 8, 16),
+                                     (7, 512, 8, 128), (256, 256, 8, 16), (512, 100, 10, 1),
+                                     (128, 256, 8, 16), (8, 5, 8, 16)])
+def test_base_tiny_staged_row(E, T, K, B, det):
+    P, M = mla.buffer_sizes(T * K, E, B)
+    launch = mla._dispatch.choose_launch(T * K, E, 1, mla._launch.device_limits(0),
+                                         deterministic=det, out_entries=P + M, policy=STAGED)
+    assert launch.tiny and launch.stage_output and not launch.fill_grid
+    for salt in range(2):
+        _base_case(E, T, None, det, salt=120 + salt, topk=K, block_size=B, policy=STAGED,
                    expert_map_mode=(None, "after")[salt], scatter=salt == 1)
 
 
