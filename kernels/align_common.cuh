@@ -289,8 +289,8 @@ __device__ __forceinline__ int claim_in_lane_order(unsigned short* counter, int 
 
 // The sentinel fill of every written row of sorted_ids, and with `tiles` -1 in all its tile
 // owners, over threads [0, nthreads) from `tid`; 16-byte stores where alignment allows, never
-// past padded_len. Each row goes to a group of nthreads / rows threads, whole warps where a
-// group has 32 or more (past as many rows as groups, a group a row in turn): a loop over
+// past padded_len. Each row goes to a group of nthreads / rows threads in whole warps, at
+// least one (past as many rows as warps, a warp a row in turn): a loop over
 // every row in every thread cost each thread every row's setup, which at LoRA sizes (16
 // rows, 32 warps an SM) was the fill's time (r44's stamps: 5700 cycles for a fill block to
 // issue 28 KB).
@@ -302,8 +302,8 @@ __device__ void fill_rows(const Problem& p, const unsigned char* processed, int 
   // One row (base calls): every thread on it, without the divisions on the way to the
   // first store.
   const bool one_row = p.rows == 1;
-  int group = one_row ? nthreads : p.rows >= nthreads ? 1 : nthreads / p.rows;  // threads a row
-  if (!one_row && group >= 32) group &= ~31;
+  int group = one_row ? nthreads : max(nthreads / p.rows, 1);  // threads a row
+  if (!one_row && nthreads >= 32) group = max(group & ~31, 32);  // (blocks are whole warps)
   const int row0 = one_row ? 0 : tid / group, from = tid - row0 * group;
   const int groups = one_row ? 1 : nthreads / group;
   const int4 sentinel = make_int4(p.numel, p.numel, p.numel, p.numel);
