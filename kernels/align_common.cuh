@@ -287,18 +287,33 @@ __device__ __forceinline__ int claim_in_lane_order(unsigned short* counter, int 
   return bucket >= 0 ? base + __popc(peers & lanemask_lt()) : -1;
 }
 
+// `value` into dst[0, len) over threads `from`, `from + step`, ...: 16-byte stores when `vec`
+// (dst 16-byte aligned), then the tail one by one.
+__device__ __forceinline__ void fill_span(int* dst, int len, int value, bool vec, int from,
+                                          int step) {
+  const int units = vec ? len >> 2 : 0;
+  const int4 v = make_int4(value, value, value, value);
+#pragma unroll 1
+  for (int k = from; k < units; k += step) reinterpret_cast<int4*>(dst)[k] = v;
+#pragma unroll 1
+  for (int k = 4 * units + from; k < len; k += step) dst[k] = value;
+}
+
+// sorted_ids rows can take 16-byte stores: the base and every row start 16-byte aligned.
+__device__ __forceinline__ bool sorted_rows_aligned(const Problem& p) {
+  return ((p.sorted_pitch & 3) == 0) &&
+         ((reinterpret_cast<unsigned long long>(p.sorted_ids) & 15) == 0);
+}
+
 // The sentinel fill of every written row of sorted_ids, and with `tiles` -1 in all its tile
-// owners, over threads [0, nthreads) from `tid`; 16-byte stores where alignment allows, never
-// past padded_len. Each row goes to a group of nthreads / rows threads in whole warps, at
-// least one (past as many rows as warps, a warp a row in turn): a loop over
-// every row in every thread cost each thread every row's setup, which at LoRA sizes (16
-// rows, 32 warps an SM) was the fill's time (r44's stamps: 5700 cycles for a fill block to
-// issue 28 KB).
+// owners, over threads [0, nthreads) from `tid`; never past padded_len. Each row goes to a
+// group of nthreads / rows threads in whole warps, at least one (past as many rows as warps,
+// a warp a row in turn): a loop over every row in every thread cost each thread every row's
+// setup, which at LoRA sizes (16 rows, 32 warps an SM) was the fill's time (r44's stamps:
+// 5700 cycles for a fill block to issue 28 KB).
 __device__ void fill_rows(const Problem& p, const unsigned char* processed, int tid, int nthreads,
                           bool tiles) {
-  const bool vec = ((p.sorted_pitch & 3) == 0) &&
-                   ((reinterpret_cast<unsigned long long>(p.sorted_ids) & 15) == 0);
-  const int units = vec ? p.padded_len >> 2 : 0;
+  const bool vec = sorted_rows_aligned(p);
   // One row (base calls): every thread on it, without the divisions on the way to the
   // first store.
   const bool one_row = p.rows == 1;
@@ -306,20 +321,14 @@ __device__ void fill_rows(const Problem& p, const unsigned char* processed, int 
   if (!one_row && nthreads >= 32) group = max(group & ~31, 32);  // (blocks are whole warps)
   const int row0 = one_row ? 0 : tid / group, from = tid - row0 * group;
   const int groups = one_row ? 1 : nthreads / group;
-  const int4 sentinel = make_int4(p.numel, p.numel, p.numel, p.numel);
 #pragma unroll 1
   for (int r = row0; r < p.rows; r += groups) {  // a last, partial group idles
     if (!row_written(p, processed, r)) continue;
-    int* row = p.sorted_ids + (long long)r * p.sorted_pitch;
-#pragma unroll 1
-    for (int k = from; k < units; k += group) reinterpret_cast<int4*>(row)[k] = sentinel;
-#pragma unroll 1
-    for (int k = 4 * units + from; k < p.padded_len; k += group) row[k] = p.numel;
-    if (tiles) {
-#pragma unroll 1
-      for (int k = from; k < p.num_tiles; k += group)
-        p.expert_ids[(long long)r * p.expert_pitch + k] = -1;
-    }
+    fill_span(p.sorted_ids + (long long)r * p.sorted_pitch, p.padded_len, p.numel, vec, from,
+              group);
+    if (tiles)
+      fill_span(p.expert_ids + (long long)r * p.expert_pitch, p.num_tiles, -1, false, from,
+                group);
   }
 }
 

@@ -169,27 +169,12 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
   // barriers below, so nothing is left to write past the totals at the end). With fill
   // blocks (FILLED) the launch's other blocks write it.
   const bool fills = !FILLED || p.fill_blocks == 0;
-  if (STAGED) {  // the fill into the row's image; the tiles as below
-    const int4 sentinel = make_int4(p.numel, p.numel, p.numel, p.numel);
-    const int units = p.padded_len >> 2;
-#pragma unroll 1
-    for (int k = tid; k < units; k += bd) reinterpret_cast<int4*>(image)[k] = sentinel;
-#pragma unroll 1
-    for (int k = 4 * units + tid; k < p.padded_len; k += bd) image[k] = p.numel;
-#pragma unroll 1
-    for (int k = tid; k < p.num_tiles; k += bd) p.expert_ids[k] = -1;
-  } else if (!fills) {
-  } else if (BASE) {  // one row, always written: no row flags (not marked on this path)
-    const int4 sentinel = make_int4(p.numel, p.numel, p.numel, p.numel);
-    const bool vec = ((p.sorted_pitch & 3) == 0) &&
-                     ((reinterpret_cast<unsigned long long>(p.sorted_ids) & 15) == 0);
-    const int units = vec ? (p.padded_len >> 2) : 0;
-#pragma unroll 1
-    for (int k = tid; k < units; k += bd) reinterpret_cast<int4*>(p.sorted_ids)[k] = sentinel;
-#pragma unroll 1
-    for (int k = 4 * units + tid; k < p.padded_len; k += bd) p.sorted_ids[k] = p.numel;
-#pragma unroll 1
-    for (int k = tid; k < p.num_tiles; k += bd) p.expert_ids[k] = -1;
+  if (!fills) {
+  } else if (BASE) {  // one row, always written: no row flags (not marked on this path);
+                      // STAGED: into the row's image
+    fill_span(STAGED ? image : p.sorted_ids, p.padded_len, p.numel,
+              STAGED || sorted_rows_aligned(p), tid, bd);
+    fill_span(p.expert_ids, p.num_tiles, -1, false, tid, bd);
   } else {
     fill_rows(p, processed, tid, bd, true);
   }
@@ -307,21 +292,15 @@ __device__ __forceinline__ void align_warp(const Problem& p) {
   const RowBits processed = BASE ? RowBits{1u} : processed_row_bits(p);
   // The fill of every written row and of its tiles (fire-and-forget; overwritten after the
   // barrier by the routes and the tiles' owners).
-  const int4 sentinel = make_int4(p.numel, p.numel, p.numel, p.numel);
-  const bool vec = (BASE || (p.sorted_pitch & 3) == 0) &&
-                   ((reinterpret_cast<unsigned long long>(p.sorted_ids) & 15) == 0);
-  const int units = vec ? (p.padded_len >> 2) : 0;
+  const bool vec = BASE ? (reinterpret_cast<unsigned long long>(p.sorted_ids) & 15) == 0
+                        : sorted_rows_aligned(p);
 #pragma unroll 1
   for (int r = 0; r < rows; ++r) {
     if (!processed[r] && !p.fill_unprocessed) continue;
-    int* row = p.sorted_ids + (long long)r * p.sorted_pitch;
-#pragma unroll 1
-    for (int k = tid; k < units; k += blockDim.x) reinterpret_cast<int4*>(row)[k] = sentinel;
-#pragma unroll 1
-    for (int k = 4 * units + tid; k < p.padded_len; k += blockDim.x) row[k] = p.numel;
-    int* tiles = p.expert_ids + (long long)r * p.expert_pitch;
-#pragma unroll 1
-    for (int k = tid; k < p.num_tiles; k += blockDim.x) tiles[k] = -1;
+    fill_span(p.sorted_ids + (long long)r * p.sorted_pitch, p.padded_len, p.numel, vec, tid,
+              blockDim.x);
+    fill_span(p.expert_ids + (long long)r * p.expert_pitch, p.num_tiles, -1, false, tid,
+              blockDim.x);
   }
   MLA_STAMP(0, 1);
 
