@@ -307,18 +307,19 @@ __device__ __forceinline__ bool sorted_rows_aligned(const Problem& p) {
 
 // The sentinel fill of every written row of sorted_ids, and with `tiles` -1 in all its tile
 // owners, over threads [0, nthreads) from `tid`; never past padded_len. Each row goes to a
-// group of nthreads / rows threads in whole warps, at least one (past as many rows as warps,
-// a warp a row in turn): a loop over every row in every thread cost each thread every row's
-// setup, which at LoRA sizes (16 rows, 32 warps an SM) was the fill's time (r44's stamps:
-// 5700 cycles for a fill block to issue 28 KB).
+// group of nthreads / rows threads, whole warps where a group has 32 or more (past as many
+// rows as groups, a group a row in turn): a loop over every row in every thread cost each
+// thread every row's setup, which at LoRA sizes (16 rows, 32 warps an SM) was the fill's
+// time (r44's stamps: 5700 cycles for a fill block to issue 28 KB). Groups of at least a
+// warp, a warp two rows, lost at 16 rows of 64 experts (r46, H100: 4.06 against 3.90 us).
 __device__ void fill_rows(const Problem& p, const unsigned char* processed, int tid, int nthreads,
                           bool tiles) {
   const bool vec = sorted_rows_aligned(p);
   // One row (base calls): every thread on it, without the divisions on the way to the
   // first store.
   const bool one_row = p.rows == 1;
-  int group = one_row ? nthreads : max(nthreads / p.rows, 1);  // threads a row
-  if (!one_row && nthreads >= 32) group = max(group & ~31, 32);  // (blocks are whole warps)
+  int group = one_row ? nthreads : p.rows >= nthreads ? 1 : nthreads / p.rows;  // threads a row
+  if (!one_row && group >= 32) group &= ~31;
   const int row0 = one_row ? 0 : tid / group, from = tid - row0 * group;
   const int groups = one_row ? 1 : nthreads / group;
 #pragma unroll 1

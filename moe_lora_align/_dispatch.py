@@ -90,8 +90,10 @@ class AlignPolicy:
     tiny_fill_blocks_one_row_from: int = 32768
     # From this many routes a base align_tiny call without fill blocks (a thread a bucket)
     # builds its sorted_ids row in shared memory, where it fits, and stores it coalesced
-    # after the scan (align_tiny_filled's STAGED path). Not yet measured: off.
-    tiny_stage_from: int = 1 << 62
+    # after the scan (align_tiny_filled's STAGED path); such a call keeps one block over the
+    # cluster below the second figure (4097: every route align_tiny takes).
+    tiny_stage_from: int = 1024
+    cluster_over_staged_from: int = 4097
     chunk_matrix_budget: int = 1 << 18   # entries of the deterministic [chunks, buckets] matrix
 
 
@@ -330,9 +332,10 @@ def _single_block(numel, num_buckets, rows, deterministic, limits, out_entries=0
             if policy.use_tiny and use_tiny else None)
     if tiny is not None:
         smem = base + (tiny_warp_counter_bytes(numel, tiny, num_buckets) if deterministic else 0)
-        # the staged base row (a bound: out_entries holds the row and its tiles)
+        # the staged base row (a bound: out_entries holds the row and its tiles; 0, unknown)
         staged = _align16(smem) + 4 * out_entries
-        if (fill_blocks and not fill and rows == 1 and numel >= policy.tiny_stage_from
+        if (fill_blocks and not fill and rows == 1 and out_entries > 0
+                and numel >= policy.tiny_stage_from
                 and numel > WARP_ROUTES and num_buckets <= tiny
                 and staged <= limits.dynamic_smem):
             return Launch("shared", "single", deterministic, tiny, smem_single=staged,
@@ -513,7 +516,8 @@ def choose_launch(numel: int, num_buckets: int, rows: int, limits: DeviceLimits,
     resident blocks) or "cluster" (one cluster of blocks, sm_90 and newer); forcing one that
     cannot run these sizes raises ``ValueError``. Left to itself the dispatcher picks one
     cluster between the policy's ``cluster_min_routes`` and ``cluster_max_routes`` where the
-    device has clusters, else one block at decode sizes, else the cooperative launch where it
+    device has clusters (unless align_tiny stages the row, below
+    ``cluster_over_staged_from``), else one block at decode sizes, else the cooperative launch where it
     fits, else count + place. Deterministic calls: one block ranks in flat order; from
     ``policy.sort_min_buckets`` buckets (``sorts_segments``) the cooperative kernel sorts
     each segment inside its launch after a second barrier and count + place is followed by
@@ -538,17 +542,20 @@ def choose_launch(numel: int, num_buckets: int, rows: int, limits: DeviceLimits,
                                    policy)
     if variant == "cluster":
         return _forced_cluster(numel, num_buckets, rows, limits, deterministic, policy)
-    if variant is None and in_cluster_range(numel, num_buckets, policy, deterministic):
-        cluster = _cluster(numel, num_buckets, rows, limits, deterministic, policy)
-        if cluster is not None:
-            return cluster
     coop = single = None
-    if variant is None:
-        coop = _cooperative(numel, num_buckets, rows, limits, out_entries, deterministic,
-                            policy)
     if variant in (None, "shared"):
         single = _single_block(numel, num_buckets, rows, deterministic, limits, out_entries,
                                policy=policy)
+    staged = (single is not None and single.stage_output
+              and numel < policy.cluster_over_staged_from)
+    if variant is None and not staged and in_cluster_range(numel, num_buckets, policy,
+                                                           deterministic):
+        cluster = _cluster(numel, num_buckets, rows, limits, deterministic, policy)
+        if cluster is not None:
+            return cluster
+    if variant is None:
+        coop = _cooperative(numel, num_buckets, rows, limits, out_entries, deterministic,
+                            policy)
     if coop is not None and coop_over_single(out_entries, single is not None and
                                              single.fill_grid > 0, policy):
         return coop

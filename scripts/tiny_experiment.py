@@ -48,6 +48,10 @@ CASES = [  # op, T, E, K, B, L
     ("base", 256, 64, 8, 16, None), ("base", 256, 128, 8, 16, None),
     ("base", 256, 256, 8, 16, None),
     ("base", 256, 512, 10, 16, None),
+    # align_tiny's staged row (tiny_stage_from) and the cluster beside it
+    ("base", 128, 64, 8, 16, None), ("base", 128, 256, 8, 16, None),
+    ("base", 192, 256, 8, 16, None), ("base", 384, 256, 8, 16, None),
+    ("base", 512, 256, 8, 64, None), ("base", 512, 512, 8, 16, None),
     ("lora", 1, 64, 6, 16, 4), ("lora", 1, 64, 8, 16, 4), ("lora", 4, 64, 8, 16, 4), ("lora", 2, 128, 8, 16, 16),
     ("lora", 16, 64, 6, 16, 16), ("lora", 16, 128, 4, 16, 4),
     ("lora", 256, 64, 6, 16, 16), ("lora", 256, 256, 8, 16, 4),

@@ -832,11 +832,25 @@ def test_every_cooperative_pair_the_dispatcher_gives_has_a_kernel():
 def test_tiny_staged_base_row():
     """A base align_tiny call of more than one warp's routes from tiny_stage_from routes
     builds its row in shared memory (align_tiny_filled without fill blocks, an ordinary
-    launch) where the image fits; never by default, on LoRA rows, with fill blocks or in a
-    fused pair."""
+    launch) where the image fits, and keeps it over the cluster below
+    cluster_over_staged_from; never below the cut, on LoRA rows, with fill blocks, in a
+    fused pair or where the output's size is not given."""
     staged = d.AlignPolicy(tiny_stage_from=0)
     P, M = 2048 + 256 * 15, 368
-    assert not d.choose_launch(2048, 256, 1, H200, out_entries=P + M).stage_output
+    cut = d.DEFAULT_POLICY.tiny_stage_from
+    assert not d.choose_launch(cut - 1, 256, 1, H200, out_entries=P + M).stage_output
+    assert d.choose_launch(cut, 256, 1, H200, out_entries=P + M).stage_output
+    assert not d.choose_launch(2048, 256, 1, H200).stage_output
+    # the mid band's cluster range: staged below cluster_over_staged_from, else the cluster
+    for numel, expect in ((2560, "single"), (4096, "single")):
+        assert d.choose_launch(numel, 512, 1, H200, out_entries=numel + 512 * 15 + 400).kind \
+            == expect
+    for numel, at in ((2560, 2560), (2560, 2561), (4096, 4096)):
+        launch = d.choose_launch(numel, 512, 1, H200, out_entries=numel + 512 * 15 + 400,
+                                 policy=d.AlignPolicy(cluster_over_staged_from=at))
+        assert launch.kind == ("cluster" if numel >= at else "single")
+    assert d.choose_launch(2560, 512, 1, dataclasses.replace(H200, clusters=False),
+                           out_entries=2560 + 512 * 15 + 400).stage_output
     launch = d.choose_launch(2048, 256, 1, H200, out_entries=P + M, policy=staged)
     assert launch.tiny and launch.stage_output and not launch.fill_grid
     assert d.launch_kernels(launch) == [(("tiny_filled", False), 1, launch.block,
@@ -860,5 +874,6 @@ def test_tiny_staged_base_row():
     pair = d.choose_pair(2048, 256, 16 * 256, 16, H200, out_entries=16 * (P + M),
                          policy=staged)
     assert pair is None or not pair.stage_output
-    assert d.tiny_stage_entries(d.choose_launch(2048, 256, 1, H200, out_entries=P + M), 2048,
-                                256) == 0
+    off = d.AlignPolicy(tiny_stage_from=1 << 62)
+    assert d.tiny_stage_entries(d.choose_launch(2048, 256, 1, H200, out_entries=P + M,
+                                                policy=off), 2048, 256) == 0

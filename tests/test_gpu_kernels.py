@@ -383,6 +383,23 @@ def _tiny_fill_launch(numel, buckets, rows, det, how):
     assert bool(launch.fill_grid) == (how == "tiny_fill_blocks" and numel > WARP_ROUTES)
 
 
+@pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
+@pytest.mark.parametrize("at", ["below_stage", "stage", "below_cluster", "cluster"])
+def test_base_staged_cuts(at, det):
+    """The default dispatcher on both sides of tiny_stage_from and cluster_over_staged_from
+    (K=1, so routes are tokens)."""
+    pol = mla._dispatch.DEFAULT_POLICY
+    numel = {"below_stage": pol.tiny_stage_from - 1, "stage": pol.tiny_stage_from,
+             "below_cluster": pol.cluster_over_staged_from - 1,
+             "cluster": pol.cluster_over_staged_from}[at]
+    E, B = 256, 16
+    P, M = mla.buffer_sizes(numel, E, B)
+    launch = mla._dispatch.choose_launch(numel, E, 1, mla._launch.device_limits(0),
+                                         deterministic=det, out_entries=P + M)
+    assert launch.stage_output == (at in ("stage", "below_cluster"))
+    _base_case(E, numel, None, det, salt=130, topk=1, block_size=B)
+
+
 @pytest.mark.parametrize("how", list(TINY_FILL))
 @pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
 @pytest.mark.parametrize("E,T,K", [(64, 33, 1), (1024, 16, 8), (257, 255, 8), (7, 512, 8),
