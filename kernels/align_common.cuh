@@ -44,7 +44,7 @@ struct Problem {
   int ranges;                   // bucket ranges per chunk (deterministic multi-block kernels)
   int starts_in_smem;           // place kernel: copy starts to shared memory for the tile search
   int stage_output;             // place kernel (shared mode): stage routes for coalesced stores;
-                                //   a base call of align_tiny_filled: ints of its row image, 0 none
+                                //   align_tiny_staged: ints of its row image
   unsigned int topk_magic;      // n / d == (n * magic) >> shift for 0 <= n < 2^31 (host-made)
   int topk_shift;
   unsigned int block_magic;
@@ -287,34 +287,18 @@ __device__ __forceinline__ int claim_in_lane_order(unsigned short* counter, int 
   return bucket >= 0 ? base + __popc(peers & lanemask_lt()) : -1;
 }
 
-// `value` into dst[0, len) over threads `from`, `from + step`, ...: 16-byte stores when `vec`
-// (dst 16-byte aligned), then the tail one by one.
-__device__ __forceinline__ void fill_span(int* dst, int len, int value, bool vec, int from,
-                                          int step) {
-  const int units = vec ? len >> 2 : 0;
-  const int4 v = make_int4(value, value, value, value);
-#pragma unroll 1
-  for (int k = from; k < units; k += step) reinterpret_cast<int4*>(dst)[k] = v;
-#pragma unroll 1
-  for (int k = 4 * units + from; k < len; k += step) dst[k] = value;
-}
-
-// sorted_ids rows can take 16-byte stores: the base and every row start 16-byte aligned.
-__device__ __forceinline__ bool sorted_rows_aligned(const Problem& p) {
-  return ((p.sorted_pitch & 3) == 0) &&
-         ((reinterpret_cast<unsigned long long>(p.sorted_ids) & 15) == 0);
-}
-
 // The sentinel fill of every written row of sorted_ids, and with `tiles` -1 in all its tile
-// owners, over threads [0, nthreads) from `tid`; never past padded_len. Each row goes to a
-// group of nthreads / rows threads, whole warps where a group has 32 or more (past as many
-// rows as groups, a group a row in turn): a loop over every row in every thread cost each
-// thread every row's setup, which at LoRA sizes (16 rows, 32 warps an SM) was the fill's
-// time (r44's stamps: 5700 cycles for a fill block to issue 28 KB). Groups of at least a
-// warp, a warp two rows, lost at 16 rows of 64 experts (r46, H100: 4.06 against 3.90 us).
+// owners, over threads [0, nthreads) from `tid`; 16-byte stores where alignment allows, never
+// past padded_len. Each row goes to a group of nthreads / rows threads, whole warps where a
+// group has 32 or more (past as many rows as groups, a group a row in turn): a loop over
+// every row in every thread cost each thread every row's setup, which at LoRA sizes (16
+// rows, 32 warps an SM) was the fill's time (r44's stamps: 5700 cycles for a fill block to
+// issue 28 KB).
 __device__ void fill_rows(const Problem& p, const unsigned char* processed, int tid, int nthreads,
                           bool tiles) {
-  const bool vec = sorted_rows_aligned(p);
+  const bool vec = ((p.sorted_pitch & 3) == 0) &&
+                   ((reinterpret_cast<unsigned long long>(p.sorted_ids) & 15) == 0);
+  const int units = vec ? p.padded_len >> 2 : 0;
   // One row (base calls): every thread on it, without the divisions on the way to the
   // first store.
   const bool one_row = p.rows == 1;
@@ -322,14 +306,20 @@ __device__ void fill_rows(const Problem& p, const unsigned char* processed, int 
   if (!one_row && group >= 32) group &= ~31;
   const int row0 = one_row ? 0 : tid / group, from = tid - row0 * group;
   const int groups = one_row ? 1 : nthreads / group;
+  const int4 sentinel = make_int4(p.numel, p.numel, p.numel, p.numel);
 #pragma unroll 1
   for (int r = row0; r < p.rows; r += groups) {  // a last, partial group idles
     if (!row_written(p, processed, r)) continue;
-    fill_span(p.sorted_ids + (long long)r * p.sorted_pitch, p.padded_len, p.numel, vec, from,
-              group);
-    if (tiles)
-      fill_span(p.expert_ids + (long long)r * p.expert_pitch, p.num_tiles, -1, false, from,
-                group);
+    int* row = p.sorted_ids + (long long)r * p.sorted_pitch;
+#pragma unroll 1
+    for (int k = from; k < units; k += group) reinterpret_cast<int4*>(row)[k] = sentinel;
+#pragma unroll 1
+    for (int k = 4 * units + from; k < p.padded_len; k += group) row[k] = p.numel;
+    if (tiles) {
+#pragma unroll 1
+      for (int k = from; k < p.num_tiles; k += group)
+        p.expert_ids[(long long)r * p.expert_pitch + k] = -1;
+    }
   }
 }
 

@@ -124,7 +124,7 @@ __device__ __forceinline__ bool base_problem(const Problem& p) {
 // guard for the others. BASE: a base_problem (one row, always processed), compiled apart so
 // the row arithmetic and the row flags fold away, as in align_warp's base instance.
 // FILLED: the kernels whose launches may have fill blocks (align_tiny_filled and its pair);
-// the others carry none of their code. STAGED (BASE in align_tiny_filled, p.stage_output
+// the others carry none of their code. STAGED (BASE in align_tiny_staged, p.stage_output
 // ints of shared memory after the counters holding the row): the row is built in shared
 // memory, the fill included, and stored coalesced after the scan. One SM's scattered route
 // stores were the largest stage of base T=256 (r44's stamps: 3324 of 8008 cycles).
@@ -169,12 +169,27 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
   // barriers below, so nothing is left to write past the totals at the end). With fill
   // blocks (FILLED) the launch's other blocks write it.
   const bool fills = !FILLED || p.fill_blocks == 0;
-  if (!fills) {
-  } else if (BASE) {  // one row, always written: no row flags (not marked on this path);
-                      // STAGED: into the row's image
-    fill_span(STAGED ? image : p.sorted_ids, p.padded_len, p.numel,
-              STAGED || sorted_rows_aligned(p), tid, bd);
-    fill_span(p.expert_ids, p.num_tiles, -1, false, tid, bd);
+  if (STAGED) {  // the fill into the row's image; the tiles as below
+    const int4 sentinel = make_int4(p.numel, p.numel, p.numel, p.numel);
+    const int units = p.padded_len >> 2;
+#pragma unroll 1
+    for (int k = tid; k < units; k += bd) reinterpret_cast<int4*>(image)[k] = sentinel;
+#pragma unroll 1
+    for (int k = 4 * units + tid; k < p.padded_len; k += bd) image[k] = p.numel;
+#pragma unroll 1
+    for (int k = tid; k < p.num_tiles; k += bd) p.expert_ids[k] = -1;
+  } else if (!fills) {
+  } else if (BASE) {  // one row, always written: no row flags (not marked on this path)
+    const int4 sentinel = make_int4(p.numel, p.numel, p.numel, p.numel);
+    const bool vec = ((p.sorted_pitch & 3) == 0) &&
+                     ((reinterpret_cast<unsigned long long>(p.sorted_ids) & 15) == 0);
+    const int units = vec ? (p.padded_len >> 2) : 0;
+#pragma unroll 1
+    for (int k = tid; k < units; k += bd) reinterpret_cast<int4*>(p.sorted_ids)[k] = sentinel;
+#pragma unroll 1
+    for (int k = 4 * units + tid; k < p.padded_len; k += bd) p.sorted_ids[k] = p.numel;
+#pragma unroll 1
+    for (int k = tid; k < p.num_tiles; k += bd) p.expert_ids[k] = -1;
   } else {
     fill_rows(p, processed, tid, bd, true);
   }
@@ -292,15 +307,21 @@ __device__ __forceinline__ void align_warp(const Problem& p) {
   const RowBits processed = BASE ? RowBits{1u} : processed_row_bits(p);
   // The fill of every written row and of its tiles (fire-and-forget; overwritten after the
   // barrier by the routes and the tiles' owners).
-  const bool vec = BASE ? (reinterpret_cast<unsigned long long>(p.sorted_ids) & 15) == 0
-                        : sorted_rows_aligned(p);
+  const int4 sentinel = make_int4(p.numel, p.numel, p.numel, p.numel);
+  const bool vec = (BASE || (p.sorted_pitch & 3) == 0) &&
+                   ((reinterpret_cast<unsigned long long>(p.sorted_ids) & 15) == 0);
+  const int units = vec ? (p.padded_len >> 2) : 0;
 #pragma unroll 1
   for (int r = 0; r < rows; ++r) {
     if (!processed[r] && !p.fill_unprocessed) continue;
-    fill_span(p.sorted_ids + (long long)r * p.sorted_pitch, p.padded_len, p.numel, vec, tid,
-              blockDim.x);
-    fill_span(p.expert_ids + (long long)r * p.expert_pitch, p.num_tiles, -1, false, tid,
-              blockDim.x);
+    int* row = p.sorted_ids + (long long)r * p.sorted_pitch;
+#pragma unroll 1
+    for (int k = tid; k < units; k += blockDim.x) reinterpret_cast<int4*>(row)[k] = sentinel;
+#pragma unroll 1
+    for (int k = 4 * units + tid; k < p.padded_len; k += blockDim.x) row[k] = p.numel;
+    int* tiles = p.expert_ids + (long long)r * p.expert_pitch;
+#pragma unroll 1
+    for (int k = tid; k < p.num_tiles; k += blockDim.x) tiles[k] = -1;
   }
   MLA_STAMP(0, 1);
 
@@ -365,8 +386,6 @@ __device__ __forceinline__ void align_tiny_block(const Problem& p) {
   else if (one_warp && p.rows <= 32) align_warp<IdT, false>(p);
   else if (num_buckets(p) > (int)blockDim.x)
     align_tiny_buckets<IdT, TINY_BUCKETS, DET, false, FILLED>(p);
-  else if (FILLED && base_problem(p) && p.fill_blocks == 0 && p.stage_output >= p.padded_len)
-    align_tiny_buckets<IdT, 1, DET, true, FILLED, true>(p);
   else if (base_problem(p)) align_tiny_buckets<IdT, 1, DET, true, FILLED>(p);
   else align_tiny_buckets<IdT, 1, DET, false, FILLED>(p);
 }
@@ -379,12 +398,24 @@ __global__ void __launch_bounds__(1024, 1) align_tiny(const Problem p) {
 
 // align_tiny whose blocks past the first are fill blocks (p.fill_blocks of them, large LoRA
 // fills; the launch is cooperative): block 0 waits for their arrivals at p.ticket before its
-// stores. Also the base row staged in shared memory (p.stage_output; one block, no fill
-// blocks). A kernel apart, so that decode calls' align_tiny has none of this.
+// stores. A kernel apart, so that decode calls' align_tiny has none of this.
 template <typename IdT, bool DET>
 __global__ void __launch_bounds__(1024, 1) align_tiny_filled(const Problem p) {
   if (blockIdx.x > 0) fill_and_arrive(p, blockIdx.x - 1, true, p.ticket);
   else align_tiny_block<IdT, DET, true>(p);
+}
+
+// align_tiny's base row built in shared memory and stored coalesced after the scan (one
+// block; p.stage_output ints of the image). A kernel apart, so that the other align_tiny
+// kernels keep their machine code. Sizes it cannot stage (the dispatcher sends none) run as
+// align_tiny.
+template <typename IdT, bool DET>
+__global__ void __launch_bounds__(1024, 1) align_tiny_staged(const Problem p) {
+  if (base_problem(p) && p.numel > WARP_ROUTES && num_buckets(p) <= (int)blockDim.x &&
+      p.stage_output >= p.padded_len)
+    align_tiny_buckets<IdT, 1, DET, true, false, true>(p);
+  else
+    align_tiny_block<IdT, DET, false>(p);
 }
 
 // Base and LoRA alignment in one launch of two tiny blocks (block 0: `first`).

@@ -90,10 +90,13 @@ class AlignPolicy:
     tiny_fill_blocks_one_row_from: int = 32768
     # From this many routes a base align_tiny call without fill blocks (a thread a bucket)
     # builds its sorted_ids row in shared memory, where it fits, and stores it coalesced
-    # after the scan (align_tiny_filled's STAGED path); such a call keeps one block over the
-    # cluster below the second figure (4097: every route align_tiny takes).
+    # after the scan (align_tiny_staged). In the cluster's range such a call keeps one block
+    # below the second figure of routes (deterministic: the third) and of fewer output
+    # entries than the fourth.
     tiny_stage_from: int = 1024
     cluster_over_staged_from: int = 4097
+    cluster_over_staged_from_deterministic: int = 3073
+    cluster_over_staged_entries: int = 16384
     chunk_matrix_budget: int = 1 << 18   # entries of the deterministic [chunks, buckets] matrix
 
 
@@ -516,8 +519,8 @@ def choose_launch(numel: int, num_buckets: int, rows: int, limits: DeviceLimits,
     resident blocks) or "cluster" (one cluster of blocks, sm_90 and newer); forcing one that
     cannot run these sizes raises ``ValueError``. Left to itself the dispatcher picks one
     cluster between the policy's ``cluster_min_routes`` and ``cluster_max_routes`` where the
-    device has clusters (unless align_tiny stages the row, below
-    ``cluster_over_staged_from``), else one block at decode sizes, else the cooperative launch where it
+    device has clusters (unless align_tiny stages the row, below the
+    ``cluster_over_staged_*`` figures), else one block at decode sizes, else the cooperative launch where it
     fits, else count + place. Deterministic calls: one block ranks in flat order; from
     ``policy.sort_min_buckets`` buckets (``sorts_segments``) the cooperative kernel sorts
     each segment inside its launch after a second barrier and count + place is followed by
@@ -547,7 +550,9 @@ def choose_launch(numel: int, num_buckets: int, rows: int, limits: DeviceLimits,
         single = _single_block(numel, num_buckets, rows, deterministic, limits, out_entries,
                                policy=policy)
     staged = (single is not None and single.stage_output
-              and numel < policy.cluster_over_staged_from)
+              and numel < (policy.cluster_over_staged_from_deterministic if deterministic
+                           else policy.cluster_over_staged_from)
+              and out_entries < policy.cluster_over_staged_entries)
     if variant is None and not staged and in_cluster_range(numel, num_buckets, policy,
                                                            deterministic):
         cluster = _cluster(numel, num_buckets, rows, limits, deterministic, policy)
@@ -815,8 +820,10 @@ def launch_kernels(launch, fused: bool = False) -> list:
     if launch.kind == "single":
         name = ("tiny" if launch.tiny else "single") if not fused else (
             "tiny_pair" if launch.tiny else "pair")
-        if launch.tiny and (launch.fill_grid or launch.stage_output):
+        if launch.tiny and launch.fill_grid:
             name += "_filled"  # a kernel apart; align_tiny and align_tiny_pair have none
+        elif launch.tiny and launch.stage_output and not fused:
+            name += "_staged"  # the base row built in shared memory: a kernel apart
         # align_tiny with fill blocks: cooperative, so that block 0's wait for them returns
         kernels = [((name, det), launch.grid, launch.block, launch.smem_single,
                     launch.fill_grid > 0)]
@@ -862,7 +869,7 @@ def _layout_bytes(kind: str, launch, numel: int, sides) -> int:
 
 # Kernel keys of align_tiny and its pair (``_kernels.kernel_names``); the ``_filled`` ones
 # are the instances whose launches have fill blocks.
-TINY_KERNELS = ("tiny", "tiny_pair", "tiny_filled", "tiny_pair_filled")
+TINY_KERNELS = ("tiny", "tiny_pair", "tiny_filled", "tiny_pair_filled", "tiny_staged")
 
 
 def kernel_demands(launch, numel: int, sides) -> list:

@@ -831,9 +831,9 @@ def test_every_cooperative_pair_the_dispatcher_gives_has_a_kernel():
 
 def test_tiny_staged_base_row():
     """A base align_tiny call of more than one warp's routes from tiny_stage_from routes
-    builds its row in shared memory (align_tiny_filled without fill blocks, an ordinary
-    launch) where the image fits, and keeps it over the cluster below
-    cluster_over_staged_from; never below the cut, on LoRA rows, with fill blocks, in a
+    builds its row in shared memory (align_tiny_staged, an ordinary launch) where the image
+    fits, and keeps it over the cluster below the cluster_over_staged_* figures; never below
+    the cut, on LoRA rows, with fill blocks, in a
     fused pair or where the output's size is not given."""
     staged = d.AlignPolicy(tiny_stage_from=0)
     P, M = 2048 + 256 * 15, 368
@@ -849,11 +849,21 @@ def test_tiny_staged_base_row():
         launch = d.choose_launch(numel, 512, 1, H200, out_entries=numel + 512 * 15 + 400,
                                  policy=d.AlignPolicy(cluster_over_staged_from=at))
         assert launch.kind == ("cluster" if numel >= at else "single")
+    # deterministic calls, and outputs of as many entries as cluster_over_staged_entries
+    det_cut = d.DEFAULT_POLICY.cluster_over_staged_from_deterministic
+    for numel in (det_cut - 1, det_cut):
+        launch = d.choose_launch(numel, 256, 1, H200, deterministic=True,
+                                 out_entries=numel + 256 * 15 + 400)
+        assert launch.kind == ("cluster" if numel >= det_cut else "single")
+    most = d.DEFAULT_POLICY.cluster_over_staged_entries
+    for out in (most - 1, most):
+        launch = d.choose_launch(4096, 256, 1, H200, out_entries=out)
+        assert launch.kind == ("cluster" if out >= most else "single")
     assert d.choose_launch(2560, 512, 1, dataclasses.replace(H200, clusters=False),
                            out_entries=2560 + 512 * 15 + 400).stage_output
     launch = d.choose_launch(2048, 256, 1, H200, out_entries=P + M, policy=staged)
     assert launch.tiny and launch.stage_output and not launch.fill_grid
-    assert d.launch_kernels(launch) == [(("tiny_filled", False), 1, launch.block,
+    assert d.launch_kernels(launch) == [(("tiny_staged", False), 1, launch.block,
                                          launch.smem_single, False)]
     assert d.tiny_stage_entries(launch, 2048, 256) >= P
     d.check_launch(launch, 2048, [(256, 1)], H200)

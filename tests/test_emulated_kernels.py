@@ -312,6 +312,8 @@ LIMIT_SIZES = [
     (_POL.tiny_stage_from - 1, 256, None, None), (_POL.tiny_stage_from, 256, None, None),
     (_POL.cluster_over_staged_from - 1, 256, None, None),
     (_POL.cluster_over_staged_from, 256, None, None),
+    (_POL.cluster_over_staged_from_deterministic - 1, 256, None, None),
+    (_POL.cluster_over_staged_from_deterministic, 256, None, None),
     (_POL.cluster_max_routes, 256, None, None), (_POL.cluster_max_routes + 1, 256, None, None),
     (4096, _POL.cluster_max_buckets, None, None), (4096, _POL.cluster_max_buckets + 1, None, None),
     (_COOP_MOST, 64, None, "cooperative"), (_COOP_MOST + 1, 64, None, None),
@@ -465,6 +467,7 @@ def _every_kernel(emu):
     start = len(emu.launched)
     for T, E, rows, variant, policy in [(40, 64, None, None, WITHOUT_TINY),
                                         (40, 64, None, None, _dispatch.DEFAULT_POLICY),
+                                        (256, 64, None, None, _dispatch.DEFAULT_POLICY),
                                         (256, 256, None, "cluster", _dispatch.DEFAULT_POLICY),
                                         (2048, 256, None, "cooperative", ORDERED),
                                         (2048, 256, None, "cooperative", SORTED),
@@ -579,7 +582,7 @@ STAGED = AlignPolicy(tiny_stage_from=0, cluster_min_routes=1 << 30,
                                      (7, 512, 8, 128), (256, 256, 8, 16), (512, 100, 10, 1),
                                      (8, 5, 8, 16)])
 def test_base_tiny_staged_row(emu, E, T, K, B, det):
-    """align_tiny_filled's base row built in shared memory and stored after the scan: the
+    """align_tiny_staged: the base row built in shared memory and stored after the scan: the
     fill, the routes, the tiles, an expert map and scatter indices as the direct path's."""
     P, M = buffer_sizes(T * K, E, B)
     launch = _dispatch.choose_launch(T * K, E, 1, emulator.LIMITS, deterministic=det,

@@ -387,11 +387,11 @@ def _tiny_fill_launch(numel, buckets, rows, det, how):
 @pytest.mark.parametrize("at", ["below_stage", "stage", "below_cluster", "cluster"])
 def test_base_staged_cuts(at, det):
     """The default dispatcher on both sides of tiny_stage_from and cluster_over_staged_from
-    (K=1, so routes are tokens)."""
+    (deterministic: its own figure; K=1, so routes are tokens)."""
     pol = mla._dispatch.DEFAULT_POLICY
+    cut = pol.cluster_over_staged_from_deterministic if det else pol.cluster_over_staged_from
     numel = {"below_stage": pol.tiny_stage_from - 1, "stage": pol.tiny_stage_from,
-             "below_cluster": pol.cluster_over_staged_from - 1,
-             "cluster": pol.cluster_over_staged_from}[at]
+             "below_cluster": cut - 1, "cluster": cut}[at]
     E, B = 256, 16
     P, M = mla.buffer_sizes(numel, E, B)
     launch = mla._dispatch.choose_launch(numel, E, 1, mla._launch.device_limits(0),
@@ -411,7 +411,7 @@ def test_base_tiny_with_and_without_fill_blocks(E, T, K, det, how):
                    expert_map_mode=(None, "after")[salt], scatter=salt == 1)
 
 
-# align_tiny_filled's base row built in shared memory and stored after the scan (asked for
+# align_tiny_staged: the base row built in shared memory and stored after the scan (asked for
 # by its policy; the cluster off so that 4096 routes stay in one block).
 STAGED = mla.AlignPolicy(tiny_stage_from=0, cluster_min_routes=1 << 30,
                          coop_over_single_entries=BIG_SINGLE,
