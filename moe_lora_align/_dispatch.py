@@ -95,7 +95,7 @@ class AlignPolicy:
     # entries than the fourth.
     tiny_stage_from: int = 1024
     cluster_over_staged_from: int = 4097
-    cluster_over_staged_from_deterministic: int = 3073
+    cluster_over_staged_from_deterministic: int = 2304
     cluster_over_staged_entries: int = 16384
     chunk_matrix_budget: int = 1 << 18   # entries of the deterministic [chunks, buckets] matrix
 
