@@ -26,12 +26,22 @@
 #              (counting argument lines only, from 1; default all); AB_S: seconds each.
 #              A line "tree=DIR ARGS" runs DIR's script and package (another commit's tree).
 #              Into ab.txt, and the results of every line into ab.json
+# Every step's exit status and summary lines also go to $OUT/summary.txt (one small file, for
+# when the returned output or files are cut short).
 # Old spellings: quick = tests memcheck racecheck bench; full = the same with benchfull.
 set -u
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 step() { echo; echo "=== $* ($(date +%T))"; }
+# A step's end: its exit status and its log's summary lines (pytest's, the sanitizer's), also
+# into summary.txt, one small file that says how every step ended when the returned output
+# and files are cut short.
+finish() {  # name, status, [log]
+  local line="$1 rc=$2"
+  [ -n "${3:-}" ] && line="$line: $(grep -E "passed|failed|SUMMARY" "$3" 2>/dev/null | tail -2 | tr '\n' ' ')"
+  echo "$line" | tee -a "$OUT/summary.txt"
+}
 # stage_probe.py's probe build and stamps of the STAMPS_ONLY cases, into the file given;
 # with STAMPS_POLICY, once more under that policy, into FILE_policy.txt.
 stamps() {
@@ -40,7 +50,7 @@ stamps() {
     timeout ${STAMPS_S:-180} python3 scripts/stage_probe.py --stamps-only \
       --only "${STAMPS_ONLY:-"', 1, "}" ${policy:+--policy "$policy"} \
       --out /tmp/stage-probe 2>&1 | tee "$file" | tail -40
-    echo "stamps${policy:+ ($policy)} rc=${PIPESTATUS[0]}"
+    finish "stamps${policy:+ ($policy)}" "${PIPESTATUS[0]}"
     file=${1%.txt}_policy.txt
   done
 }
@@ -56,6 +66,8 @@ step versions
   echo "commit: $(cat COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null)"
   echo "steps: $STEPS"
 } 2>&1 | tee "$OUT/versions.txt"
+{ head -2 "$OUT/versions.txt" | tail -1 | cut -d, -f1; grep "^commit:" "$OUT/versions.txt"; } \
+  > "$OUT/summary.txt"
 
 step install
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
@@ -71,7 +83,7 @@ sanitize() {  # tool, extra options, test selection
   MLA_SANITIZER=$tool FUZZ_CASES=${SAN_FUZZ_CASES:-150} timeout ${SAN_S:-280} compute-sanitizer --tool "$tool" "$@" \
     --error-exitcode 9 --print-limit 20 python3 -m pytest ${SAN_FILES:-$GPU_TESTS} -q -x -p no:cacheprovider \
     -k "$SAN_K and not threads and not scratch_bytes" 2>&1 | tee "$OUT/$tool.log" | tail -6
-  echo "$tool rc=${PIPESTATUS[0]}"
+  finish "$tool" "${PIPESTATUS[0]}" "$OUT/$tool.log"
 }
 for s in $STEPS; do
   case $s in
@@ -80,7 +92,7 @@ for s in $STEPS; do
       timeout ${TESTS_S:-420} python3 -m pytest tests -q -p no:cacheprovider -m "not emulator" \
         --ignore=tests/test_compile.py ${PYTEST_ARGS:-} ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 \
         | tee "$OUT/tests.log" | tail -25
-      echo "tests rc=${PIPESTATUS[0]}" ;;
+      finish tests "${PIPESTATUS[0]}" "$OUT/tests.log" ;;
     tests_kernels|tests_rest)
       step "GPU tests ($s)"
       if [ "$s" = tests_kernels ]; then SEL="tests/test_gpu_kernels.py"
@@ -88,12 +100,12 @@ for s in $STEPS; do
       timeout ${TESTS_S:-420} python3 -m pytest $SEL -q -p no:cacheprovider -m "not emulator" \
         --ignore=tests/test_compile.py ${PYTEST_ARGS:-} ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 \
         | tee "$OUT/$s.log" | tail -25
-      echo "$s rc=${PIPESTATUS[0]}" ;;
+      finish "$s" "${PIPESTATUS[0]}" "$OUT/$s.log" ;;
     fuzz)
       step "fuzz (long)"
       timeout ${FUZZ_S:-420} python3 scripts/fuzz.py --cases ${FUZZ_CASES:-10000} \
         --seed ${FUZZ_SEED:-20261203} --json "$OUT/fuzz.json" 2>&1 | tee "$OUT/fuzz.log" | tail -8
-      echo "fuzz rc=${PIPESTATUS[0]}" ;;
+      finish fuzz "${PIPESTATUS[0]}" "$OUT/fuzz.log" ;;
     memcheck) sanitize memcheck ;;
     racecheck) sanitize racecheck --racecheck-report hazard ;;
     synccheck) sanitize synccheck ;;
@@ -103,23 +115,23 @@ for s in $STEPS; do
       BENCH_ARGS="--json $OUT/bench.json --table $OUT/bench.txt --plot $OUT/bench.png"
       [ "$s" = benchfull ] || BENCH_ARGS="--quick $BENCH_ARGS"
       timeout ${BENCH_S:-400} python3 -m moe_lora_align.bench $BENCH_ARGS 2>"$OUT/bench.progress"
-      echo "bench rc=$?" ;;
+      finish bench $? ;;
     det)
       step "deterministic against default"
       timeout ${DET_S:-200} python3 scripts/det_experiment.py --json "$OUT/det.json" 2>&1 \
         | tee "$OUT/det.txt" | tail -20
-      echo "det rc=${PIPESTATUS[0]}" ;;
+      finish det "${PIPESTATUS[0]}" ;;
     steps)
       step "eager call steps"
       timeout ${STEPS_S:-200} python3 scripts/profile_calls.py --steps 2>&1 \
         | tee "$OUT/steps.txt" | tail -40
-      echo "steps rc=${PIPESTATUS[0]}" ;;
+      finish steps "${PIPESTATUS[0]}" ;;
     decode)
       step "decode kernels"
       timeout ${DECODE_S:-300} python3 scripts/tiny_experiment.py --runs "${DECODE_RUNS:-tiny,det}" \
         ${DECODE_BASELINE:+--baseline "$DECODE_BASELINE"} ${DECODE_CASES:+--cases "$DECODE_CASES"} \
         --json "$OUT/tiny.json" 2>&1 | tee "$OUT/tiny.txt" | tail -30
-      echo "tiny_experiment rc=${PIPESTATUS[0]}"
+      finish tiny_experiment "${PIPESTATUS[0]}"
       stamps "$OUT/stamps.txt" ;;
     stamps)
       step "stage stamps"
@@ -142,7 +154,7 @@ for s in $STEPS; do
         PYTHONPATH=$path \
         timeout ${AB_S:-300} python3 $tree/scripts/tiny_experiment.py "${args[@]}" \
           --json "/tmp/ab$n.json" < /dev/null 2>&1 | tee -a "$OUT/ab.txt" | tail -30
-        echo "ab$n rc=${PIPESTATUS[0]}"
+        finish "ab$n" "${PIPESTATUS[0]}"
       done < "${AB_FILE:-scripts/ab_runs.txt}"
       python3 -c 'import glob, json, sys; json.dump({p[5:-5]: json.load(open(p)) for p in sorted(glob.glob("/tmp/ab[0-9]*.json"))}, open(sys.argv[1], "w"), indent=1)' "$OUT/ab.json" ;;
     *) echo "unknown step $s"; exit 2 ;;
