@@ -287,6 +287,20 @@ __device__ __forceinline__ int claim_in_lane_order(unsigned short* counter, int 
   return bucket >= 0 ? base + __popc(peers & lanemask_lt()) : -1;
 }
 
+// The sentinel (p.numel) into row[0, p.padded_len) over threads `from`, `from + step`, ...:
+// `units` 16-byte stores of `four` (p.numel four times; units 0 unless row is 16-byte
+// aligned), then the rest one by one. align_tiny's base row and align_warp keep loops of
+// their own: through this helper their machine code changed, where fill_rows' and the
+// staged image's did not.
+template <typename Step>
+__device__ __forceinline__ void fill_span(const Problem& p, int* row, int units, int4 four,
+                                          int from, Step step) {
+#pragma unroll 1
+  for (int k = from; k < units; k += step) reinterpret_cast<int4*>(row)[k] = four;
+#pragma unroll 1
+  for (int k = 4 * units + from; k < p.padded_len; k += step) row[k] = p.numel;
+}
+
 // The sentinel fill of every written row of sorted_ids, and with `tiles` -1 in all its tile
 // owners, over threads [0, nthreads) from `tid`; 16-byte stores where alignment allows, never
 // past padded_len. Each row goes to a group of nthreads / rows threads, whole warps where a
@@ -310,11 +324,7 @@ __device__ void fill_rows(const Problem& p, const unsigned char* processed, int 
 #pragma unroll 1
   for (int r = row0; r < p.rows; r += groups) {  // a last, partial group idles
     if (!row_written(p, processed, r)) continue;
-    int* row = p.sorted_ids + (long long)r * p.sorted_pitch;
-#pragma unroll 1
-    for (int k = from; k < units; k += group) reinterpret_cast<int4*>(row)[k] = sentinel;
-#pragma unroll 1
-    for (int k = 4 * units + from; k < p.padded_len; k += group) row[k] = p.numel;
+    fill_span(p, p.sorted_ids + (long long)r * p.sorted_pitch, units, sentinel, from, group);
     if (tiles) {
 #pragma unroll 1
       for (int k = from; k < p.num_tiles; k += group)

@@ -172,10 +172,7 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
   if (STAGED) {  // the fill into the row's image; the tiles as below
     const int4 sentinel = make_int4(p.numel, p.numel, p.numel, p.numel);
     const int units = p.padded_len >> 2;
-#pragma unroll 1
-    for (int k = tid; k < units; k += bd) reinterpret_cast<int4*>(image)[k] = sentinel;
-#pragma unroll 1
-    for (int k = 4 * units + tid; k < p.padded_len; k += bd) image[k] = p.numel;
+    fill_span(p, image, units, sentinel, tid, bd);
 #pragma unroll 1
     for (int k = tid; k < p.num_tiles; k += bd) p.expert_ids[k] = -1;
   } else if (!fills) {
