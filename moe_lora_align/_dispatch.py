@@ -521,11 +521,11 @@ def choose_launch(numel: int, num_buckets: int, rows: int, limits: DeviceLimits,
     cluster between the policy's ``cluster_min_routes`` and ``cluster_max_routes`` where the
     device has clusters (unless align_tiny stages the row, below the
     ``cluster_over_staged_*`` figures), else one block at decode sizes, else the cooperative
-    launch where it fits, else count + place. Deterministic calls: one block ranks in flat order; from
-    ``policy.sort_min_buckets`` buckets (``sorts_segments``) the cooperative kernel sorts
-    each segment inside its launch after a second barrier and count + place is followed by
-    ``align_order``, which sorts each segment (where its shared memory fits); below that the
-    multi-block kernels rank in flat order themselves.
+    launch where it fits, else count + place. Deterministic calls: one block ranks in flat
+    order; from ``policy.sort_min_buckets`` buckets (``sorts_segments``) the cooperative
+    kernel sorts each segment inside its launch after a second barrier and count + place is
+    followed by ``align_order``, which sorts each segment (where its shared memory fits);
+    below that the multi-block kernels rank in flat order themselves.
     """
     if variant is not None and variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS} or None, got {variant!r}")
