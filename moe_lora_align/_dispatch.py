@@ -81,6 +81,13 @@ class AlignPolicy:
     coop_fill_blocks_below: int = 1 << 18
     coop_fill_blocks_free_routes: int = 196608
     coop_fill_blocks_free_below: int = 655360
+    # From this many output entries the cooperative launch instead keeps blocks of BLOCK
+    # threads, one an SM, and gives whole SMs to fill blocks: one per coop_fill_sm_entries
+    # entries, as many as the counting blocks leave (COOP_ITEMS routes a thread at most).
+    # The counting blocks keep every thread for the work after the barrier, which blocks of
+    # FILL_SPLIT_BLOCK threads lacked at large fills (r41's stamps). Off: not yet measured.
+    coop_fill_sms_from: int = 1 << 62
+    coop_fill_sm_entries: int = 32768
     # From this many output entries align_tiny (past one warp's routes) gets fill blocks:
     # a block per fill_per_block entries writes the fill while block 0 counts. LoRA rows
     # gain at every size since r44's faster fill blocks (r45, H100: T=16 E=64 16 slots 3.90
@@ -413,13 +420,19 @@ def _cooperative(numel, num_buckets, rows, limits, out_entries, deterministic=Fa
     of per-warp counters for ordered ranks) does not fit. Deterministic: the way the policy
     prefers (``sorts_segments``), else the other where only it fits.
 
-    Where ``fill_blocks`` and ``coop_fill_blocks`` allow, blocks of
-    FILL_SPLIT_BLOCK threads, two an SM: counting blocks, then fill blocks that only write
-    the sentinel fill; else (or where that does not fit) one block of BLOCK threads an SM,
-    the counting blocks filling too. Either way every block is resident whatever the
+    Where ``fill_blocks`` and ``coop_fill_sms_from`` allow, one block of BLOCK threads an
+    SM: counting blocks, then fill blocks that only write the sentinel fill, on SMs of their
+    own. Else, where ``coop_fill_blocks`` allows, blocks of FILL_SPLIT_BLOCK threads, two an
+    SM: counting blocks, then fill blocks. Else (or where neither fits) one block of BLOCK
+    threads an SM, the counting blocks filling too. Every block is resident whatever the
     occupancy."""
     if not limits.cooperative:
         return None
+    if fill_blocks and out_entries >= policy.coop_fill_sms_from:
+        whole = _cooperative_blocks(numel, num_buckets, rows, limits, out_entries,
+                                    deterministic, policy, BLOCK, fill_sms=True)
+        if whole is not None:
+            return whole
     if fill_blocks and coop_fill_blocks(numel, out_entries, deterministic, policy):
         split = _cooperative_blocks(numel, num_buckets, rows, limits, out_entries,
                                     deterministic, policy, FILL_SPLIT_BLOCK)
@@ -430,9 +443,20 @@ def _cooperative(numel, num_buckets, rows, limits, out_entries, deterministic=Fa
 
 
 def _cooperative_blocks(numel, num_buckets, rows, limits, out_entries, deterministic, policy,
-                        block):
-    per_sm = _ceil_div(max(numel, 1), limits.sm_count)
-    chunk = max(block, _ceil_div(per_sm, block) * block)
+                        block, fill_sms=False):
+    """``fill_sms``: blocks of BLOCK threads, the fill blocks on SMs of their own
+    (``coop_fill_sm_entries``), the routes in chunks of whole warps over the other SMs; None
+    where no SM is left over or the launch sorts."""
+    if fill_sms:
+        wanted = _ceil_div(out_entries, policy.coop_fill_sm_entries)
+        fill = min(wanted, limits.sm_count - _ceil_div(max(numel, 1), COOP_ITEMS * block))
+        if fill < 1:
+            return None
+        per_sm = _ceil_div(max(numel, 1), limits.sm_count - fill)
+        chunk = _ceil_div(per_sm, 32) * 32
+    else:
+        per_sm = _ceil_div(max(numel, 1), limits.sm_count)
+        chunk = max(block, _ceil_div(per_sm, block) * block)
     if chunk > COOP_ITEMS * block:
         return None
     ways = [False]
@@ -448,6 +472,12 @@ def _cooperative_blocks(numel, num_buckets, rows, limits, out_entries, determini
             break
     else:
         return None
+    if fill_sms:
+        if sort:  # the segment sort spreads over the SMs: none left over to fill
+            return None
+        counting = max(1, _ceil_div(numel, chunk))
+        return Launch("cooperative", "cooperative", deterministic, block,
+                      grid=counting + fill, chunk=chunk, smem_place=smem, fill_grid=fill)
     fill = min(limits.sm_count, _ceil_div(out_entries, policy.fill_per_block))
     sort_blocks = min(limits.sm_count, _ceil_div(num_buckets, 2)) if sort else 1
     counting = max(1, _ceil_div(numel, chunk), sort_blocks)
@@ -911,11 +941,9 @@ def check_launch(launch, numel: int, sides, limits: DeviceLimits) -> None:
             why = f"chunks of {launch.chunk} routes, more than {COOP_ITEMS} a thread of {block}"
         elif kernel == "cooperative" and launch.sorted and block != BLOCK:
             why = f"the segment sort in blocks of {block} threads (it needs {BLOCK})"
-        elif kernel == "cooperative" and launch.fill_grid and (
-                launch.fill_grid >= grid or block > FILL_SPLIT_BLOCK):
+        elif kernel == "cooperative" and launch.fill_grid >= grid > 0:
             why = (f"{launch.fill_grid} of {grid} blocks of {block} threads only filling "
-                   "(at least one block counts; fill blocks come with blocks of "
-                   f"{FILL_SPLIT_BLOCK} threads, two an SM)")
+                   "(at least one block counts)")
         if why is None and kernel in ("count", "cooperative"):
             per_block = launch.chunk
             blocks = grid // launch.ranges if kernel == "count" else grid - launch.fill_grid

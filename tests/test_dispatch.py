@@ -90,14 +90,16 @@ def test_decisions(numel, buckets, rows, limits, det, variant, expect):
         elif launch.variant == "shared":
             assert launch.chunk <= d.BLOCK * d.ITEMS_PER_THREAD
     if launch.kind == "cooperative":
-        # every block resident: one a SM, or two of half the threads with fill blocks; the
-        # counting blocks' chunks cover every route
+        # every block resident: one a SM (with fill blocks: on SMs of their own), or two of
+        # half the threads with fill blocks; the counting blocks' chunks cover every route
         counting = launch.grid - launch.fill_grid
         assert counting >= 1 and launch.fill_grid <= limits.sm_count
         assert counting <= limits.sm_count
-        if launch.fill_grid:
-            assert launch.block == d.FILL_SPLIT_BLOCK
+        if launch.fill_grid and launch.block == d.FILL_SPLIT_BLOCK:
             assert d.two_blocks_an_sm(launch.block, launch.smem_place, limits)
+        elif launch.fill_grid:
+            assert launch.block == d.BLOCK and launch.grid <= limits.sm_count
+            assert not launch.sorted
         assert counting * launch.chunk >= numel
         assert launch.chunk <= launch.block * d.COOP_ITEMS
 
@@ -164,6 +166,64 @@ def test_deterministic_calls_sort_after_the_fast_kernels():
 
 NO_FILL_BLOCKS = d.AlignPolicy(coop_fill_blocks_from=1 << 62)
 ALL_FILL_BLOCKS = d.AlignPolicy(coop_fill_blocks_below=1 << 62)
+FILL_SMS = d.AlignPolicy(coop_fill_sms_from=0)
+
+
+def test_fill_blocks_on_sms_of_their_own():
+    # From coop_fill_sms_from output entries: blocks of BLOCK threads, a fill block per
+    # coop_fill_sm_entries entries, the routes in chunks of whole warps over the other SMs.
+    sms, per_sm = H200.sm_count, d.DEFAULT_POLICY.coop_fill_sm_entries
+    assert d.DEFAULT_POLICY.coop_fill_sms_from > 10**12  # off until measured
+    P, M = buffer_sizes(16384 * 8, 256, 64)
+    entries = 16 * (P + M)
+    launch = d.choose_launch(16384 * 8, 16 * 256, 16, H200, out_entries=entries,
+                             policy=FILL_SMS)
+    fill = -(-entries // per_sm)
+    assert launch.kind == "cooperative" and launch.block == d.BLOCK and not launch.sorted
+    assert launch.fill_grid == fill and launch.chunk % 32 == 0
+    counting = launch.grid - fill
+    assert counting == -(-16384 * 8 // launch.chunk) and counting <= sms - fill
+    assert launch.chunk == 32 * -(-(-(-16384 * 8 // (sms - fill))) // 32)
+    # Base T=16384: 147K entries, five fill SMs; the counting blocks keep the other SMs
+    P, M = buffer_sizes(16384 * 8, 256, 64)
+    base = d.choose_launch(16384 * 8, 256, 1, H200, out_entries=P + M, policy=FILL_SMS)
+    assert base.fill_grid == -(-(P + M) // per_sm) == 5 and base.block == d.BLOCK
+    assert base.grid - 5 <= sms - 5
+    # At most what the routes leave: COOP_ITEMS routes a thread of the counting blocks
+    for numel in (1, 1000, (sms - 1) * d.COOP_ITEMS * d.BLOCK):
+        most = d.choose_launch(numel, 256, 1, H200, out_entries=10**9, policy=FILL_SMS,
+                               variant="cooperative")
+        counting = most.grid - most.fill_grid
+        assert most.fill_grid == sms - -(-numel // (d.COOP_ITEMS * d.BLOCK))
+        assert counting * most.chunk >= numel and most.chunk <= d.COOP_ITEMS * d.BLOCK
+    # None left over: no fill blocks of this kind (the split's where it applies, else none)
+    full = d.choose_launch(sms * d.COOP_ITEMS * d.BLOCK, 256, 1, H200, out_entries=10**6,
+                           policy=FILL_SMS, variant="cooperative")
+    assert full.block == d.BLOCK and not full.fill_grid
+    # Below coop_fill_sms_from: as before; deterministic: ordered ranks take them, the
+    # segment sort does not (it spreads over every SM)
+    at = d.AlignPolicy(coop_fill_sms_from=100000)
+    assert d.choose_launch(16384 * 8, 256, 1, H200, out_entries=99999, policy=at) == \
+        d.choose_launch(16384 * 8, 256, 1, H200, out_entries=99999)
+    ordered = d.choose_launch(16384 * 8, 256, 1, H200, deterministic=True,
+                              out_entries=10**6, policy=FILL_SMS)
+    assert not ordered.sorted and ordered.fill_grid and ordered.block == d.BLOCK
+    sort = d.choose_launch(16384 * 8, 16 * 256, 16, H200, deterministic=True,
+                           out_entries=10**6, policy=FILL_SMS)
+    assert sort.kind == "cooperative" and sort.sorted and not sort.fill_grid
+    # The guard passes each: shared memory, residency, chunks that cover the routes
+    for numel, buckets, rows, det in ((1, 7, 1, False), (4096 * 8, 256, 1, True),
+                                      (16384 * 8, 16 * 256, 16, False),
+                                      (65536 * 8, 256, 1, False), (65536 * 10, 512, 1, True),
+                                      (8192 * 8, 4 * 512, 4, True)):
+        launch = d.choose_launch(numel, buckets, rows, H200, deterministic=det,
+                                 out_entries=10**6, policy=FILL_SMS, variant="cooperative")
+        assert launch.fill_grid and launch.block == d.BLOCK, (numel, det)
+        d.check_launch(launch, numel, [(buckets, rows)], H200)
+    # Not in the cooperative pair
+    pair = d.choose_cooperative_pair(16384 * 8, 256, 16 * 256, 16, H200, base_entries=10**5,
+                                     lora_entries=10**6, policy=FILL_SMS)
+    assert not pair.base.fill_grid and not pair.lora.fill_grid
 
 
 def test_cooperative_fill_spreads_over_the_sms():
@@ -670,11 +730,26 @@ def test_guard_refuses_a_cooperative_grid_that_cannot_be_resident():
     with pytest.raises(d.LaunchRefused, match="resident"):
         d.check_launch(dataclasses.replace(split, grid=2 * H200.sm_count + 1), 8192,
                        [(256, 1)], H200)
-    # Fill blocks only with blocks of half the threads, and at least one counting block
-    for bad in (dataclasses.replace(launch, fill_grid=1),
+    # At least one counting block
+    for bad in (dataclasses.replace(launch, fill_grid=launch.grid),
                 dataclasses.replace(split, fill_grid=split.grid)):
         with pytest.raises(d.LaunchRefused, match="only filling"):
             d.check_launch(bad, 8192, [(256, 1)], H200)
+    # Fill blocks of BLOCK threads: one block an SM, the counting blocks' chunks covering
+    # every route
+    whole = d.choose_launch(8192, 256, 1, H200, variant="cooperative", out_entries=10**5,
+                            policy=FILL_SMS)
+    assert whole.fill_grid and whole.block == d.BLOCK
+    d.check_launch(dataclasses.replace(whole, grid=H200.sm_count,
+                                       fill_grid=H200.sm_count - whole.grid + whole.fill_grid),
+                   8192, [(256, 1)], H200)
+    with pytest.raises(d.LaunchRefused, match="resident"):
+        d.check_launch(dataclasses.replace(whole, grid=H200.sm_count + 1,
+                                           fill_grid=H200.sm_count + 1 - whole.grid
+                                           + whole.fill_grid), 8192, [(256, 1)], H200)
+    with pytest.raises(d.LaunchRefused, match="do not cover"):
+        d.check_launch(dataclasses.replace(whole, fill_grid=whole.fill_grid + 1), 8192,
+                       [(256, 1)], H200)
     # The segment sort needs blocks of BLOCK threads; at most COOP_ITEMS routes a thread
     with pytest.raises(d.LaunchRefused, match="segment sort"):
         d.check_launch(dataclasses.replace(split, sorted=True, deterministic=True,

@@ -502,21 +502,28 @@ def _every_kernel(emu):
 
 # ---- fill blocks and the ordered path's totals (r38, r39) ---------------------------------
 # The cooperative kernel with fill blocks (blocks of FILL_SPLIT_BLOCK threads, two an SM, the
-# last ones only filling) and without, align_tiny and its pair with fill blocks (blocks past
-# the aligning ones fill; block 0 waits for their arrivals) and without; routes on both sides
-# of what the split's counting blocks hold on the emulated device (4 x 8 x 512).
+# last ones only filling), with fill blocks on SMs of their own (blocks of BLOCK threads, a
+# fill block per 4096 entries here) and without, align_tiny and its pair with fill blocks
+# (blocks past the aligning ones fill; block 0 waits for their arrivals) and without; routes
+# on both sides of what the split's counting blocks hold on the emulated device (4 x 8 x 512).
 COOP_FILL = {"fill_blocks": AlignPolicy(coop_fill_blocks_from=0,
                                         coop_fill_blocks_below=1 << 62),
+             "fill_sms": AlignPolicy(coop_fill_sms_from=0, coop_fill_sm_entries=4096,
+                                     coop_fill_blocks_from=1 << 62),
              "no_fill_blocks": AlignPolicy(coop_fill_blocks_from=1 << 62)}
 SPLIT_MOST = emulator.LIMITS.sm_count * _dispatch.COOP_ITEMS * _dispatch.FILL_SPLIT_BLOCK
+WHOLE_MOST = (emulator.LIMITS.sm_count - 1) * _dispatch.COOP_ITEMS * _dispatch.BLOCK
 
 
 def _coop_fill_launch(numel, buckets, rows, det, how):
     launch = _dispatch.choose_launch(numel, buckets, rows, emulator.LIMITS, deterministic=det,
                                      variant="cooperative", out_entries=numel,
                                      policy=COOP_FILL[how])
-    split = how == "fill_blocks" and not launch.sorted and numel <= SPLIT_MOST
-    assert bool(launch.fill_grid) == split
+    most = WHOLE_MOST if how == "fill_sms" else SPLIT_MOST
+    filled = how != "no_fill_blocks" and not launch.sorted and numel <= most
+    assert bool(launch.fill_grid) == filled
+    if filled and how == "fill_sms":
+        assert launch.block == _dispatch.BLOCK and launch.grid <= emulator.LIMITS.sm_count
 
 
 @pytest.mark.parametrize("how", list(COOP_FILL))

@@ -315,12 +315,15 @@ def test_ordered_cooperative_totals_leave_the_scratch_clean():
 
 
 # align_cooperative with fill blocks (blocks of FILL_SPLIT_BLOCK threads, two an SM, the last
-# ones only writing the sentinel fill) and without (a block of 1024 an SM, the counting
-# blocks filling first), each asked for by its policy: base and LoRA, free order and ordered
-# ranks, every routing kind, and routes on both sides of what the split's counting blocks
-# hold (132 x 8 x 512 on an H200).
+# ones only writing the sentinel fill), with fill blocks on SMs of their own (blocks of 1024,
+# one an SM; a fill block per 8192 entries here) and without (a block of 1024 an SM, the
+# counting blocks filling first), each asked for by its policy: base and LoRA, free order
+# and ordered ranks, every routing kind, and routes on both sides of what the split's
+# counting blocks hold (132 x 8 x 512 on an H200).
 COOP_FILL = {"fill_blocks": mla.AlignPolicy(coop_fill_blocks_from=0,
                                             coop_fill_blocks_below=1 << 62),
+             "fill_sms": mla.AlignPolicy(coop_fill_sms_from=0, coop_fill_sm_entries=8192,
+                                         coop_fill_blocks_from=1 << 62),
              "no_fill_blocks": mla.AlignPolicy(coop_fill_blocks_from=1 << 62)}
 
 
@@ -329,9 +332,12 @@ def _coop_fill_launch(numel, buckets, rows, det, how):
     launch = mla._dispatch.choose_launch(numel, buckets, rows, limits, deterministic=det,
                                          variant="cooperative", out_entries=numel,
                                          policy=COOP_FILL[how])
-    most = limits.sm_count * mla._dispatch.COOP_ITEMS * mla._dispatch.FILL_SPLIT_BLOCK
-    split = how == "fill_blocks" and not launch.sorted and numel <= most
-    assert bool(launch.fill_grid) == split
+    block = mla._dispatch.BLOCK if how == "fill_sms" else mla._dispatch.FILL_SPLIT_BLOCK
+    most = (limits.sm_count - (how == "fill_sms")) * mla._dispatch.COOP_ITEMS * block
+    filled = how != "no_fill_blocks" and not launch.sorted and numel <= most
+    assert bool(launch.fill_grid) == filled
+    if filled and how == "fill_sms":
+        assert launch.block == mla._dispatch.BLOCK and launch.grid <= limits.sm_count
     return launch
 
 
