@@ -387,10 +387,37 @@ __device__ __forceinline__ void align_tiny_block(const Problem& p) {
   else align_tiny_buckets<IdT, 1, DET, false, FILLED>(p);
 }
 
+// Probe only (-DMLA_PROBE -DMLA_TWICE, scripts/decode_experiment.py): `body` twice in the
+// block through one rolled loop, so both passes run the same instructions and a faster
+// second pass shows cold caches, the instruction cache among them. Each pass stamps kernel
+// slot 0; swapping slots 0 and 1 after each leaves pass 1's stamps in slot 0, pass 2's in 1.
+#ifdef MLA_TWICE
+template <typename Body>
+__device__ __forceinline__ void mla_twice(Body body) {
+#pragma unroll 1
+  for (int pass = 0; pass < 2; ++pass) {
+    body();
+    __syncthreads();
+    if (threadIdx.x == 0 && blockIdx.x < MLA_PROBE_BLOCKS)
+      for (int k = 0; k < 2 * MLA_PROBE_STAGES; ++k) {
+        unsigned long long* slot0 = mla_probe + blockIdx.x * MLA_PROBE_STAGES * 2 + k;
+        unsigned long long* slot1 = slot0 + MLA_PROBE_BLOCKS * MLA_PROBE_STAGES * 2;
+        const unsigned long long t = *slot0;
+        *slot0 = *slot1;
+        *slot1 = t;
+      }
+    __syncthreads();
+  }
+}
+#define MLA_ONE_OR_TWO_PASSES(...) mla_twice([&] { __VA_ARGS__; })
+#else
+#define MLA_ONE_OR_TWO_PASSES(...) __VA_ARGS__
+#endif
+
 // (1024, 1): with (1024) alone NVRTC 13.0 gave align_tiny<short> 32 registers on sm_80, and spills.
 template <typename IdT, bool DET>
 __global__ void __launch_bounds__(1024, 1) align_tiny(const Problem p) {
-  align_tiny_block<IdT, DET, false>(p);
+  MLA_ONE_OR_TWO_PASSES(align_tiny_block<IdT, DET, false>(p));
 }
 
 // align_tiny whose blocks past the first are fill blocks (p.fill_blocks of them, large LoRA
@@ -410,9 +437,9 @@ template <typename IdT, bool DET>
 __global__ void __launch_bounds__(1024, 1) align_tiny_staged(const Problem p) {
   if (base_problem(p) && p.numel > WARP_ROUTES && num_buckets(p) <= (int)blockDim.x &&
       p.stage_output >= p.padded_len)
-    align_tiny_buckets<IdT, 1, DET, true, false, true>(p);
+    MLA_ONE_OR_TWO_PASSES(align_tiny_buckets<IdT, 1, DET, true, false, true>(p));
   else
-    align_tiny_block<IdT, DET, false>(p);
+    MLA_ONE_OR_TWO_PASSES(align_tiny_block<IdT, DET, false>(p));
 }
 
 // Base and LoRA alignment in one launch of two tiny blocks (block 0: `first`).

@@ -1,15 +1,21 @@
-"""Two questions about the one-block decode kernel, answered on the GPU machine.
+"""Two questions about the one-block decode kernels, answered on the GPU machine.
 
-  python3 scripts/decode_experiment.py [--out DIR]
+  python3 scripts/decode_experiment.py [--out DIR] [--twice-only] [--cases PATTERN]
 
 1. Block size: graph-replay µs of decode cases with the single block forced to 128, 256, 512
    and 1024 threads (the dispatcher sizes it from routes and output entries only; the scan
    and the zeroing also loop over the buckets, 4096 of them for LoRA E=256 x 16 slots).
 2. Cold or busy: built with -DMLA_PROBE -DMLA_TWICE, the kernel runs the same alignment twice
-   in one block and stamps both passes. A second pass much faster than the first means the
-   time goes to cold caches (constants) on the SM that the call landed on, not to the work.
-   Caveat (results/PERF_LOG.md r17): align_in_one_block is inlined, so the second pass runs
-   a second copy of the code and says nothing about the instruction cache.
+   in one block and stamps both passes (pass 1 in kernel slot 0, pass 2 in slot 1). A second
+   pass much faster than the first means the time goes to cold caches on the SM that the
+   call landed on, not to the work. align_tiny and align_tiny_staged (align_warp inside
+   align_tiny too) run their two passes through one rolled loop, the same instructions, so
+   for them a faster second pass also measures the instruction cache. align_single's second
+   pass is a second inlined copy of its code (results/PERF_LOG.md r17), so for it only the
+   data and constant caches are warm. Calls with fill blocks (align_tiny_filled) run once.
+
+``--twice-only`` skips the block sweep; ``--cases`` keeps the cases whose tuple's text
+contains one of its '|'-separated parts.
 """
 from __future__ import annotations
 
@@ -27,8 +33,9 @@ from stage_probe import make_call, probe_run, reload_kernels  # same folder
 
 CASES = [  # op, T, E, K, B, L
     ("base", 1, 64, 8, 16, None), ("base", 1, 512, 10, 16, None),
+    ("base", 4, 256, 8, 16, None), ("base", 16, 256, 8, 16, None),
     ("base", 64, 256, 8, 16, None), ("base", 256, 256, 8, 16, None),
-    ("base", 256, 512, 10, 16, None),
+    ("base", 256, 512, 10, 16, None), ("base det", 64, 256, 8, 16, None),
     ("lora", 1, 64, 6, 16, 16), ("lora", 1, 256, 8, 16, 16), ("lora", 16, 256, 8, 16, 16),
     ("lora", 256, 64, 6, 16, 16), ("lora", 256, 256, 8, 16, 16),
     ("pair", 1, 64, 8, 16, 4), ("pair", 64, 256, 8, 16, 16),
@@ -89,13 +96,22 @@ def twice(stream):
 
 
 def main():
+    global CASES
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=Path("decode-out"))
+    ap.add_argument("--twice-only", action="store_true", help="skip the block sweep")
+    ap.add_argument("--cases", default=None, help="'|'-separated parts of the cases' text")
     args = ap.parse_args()
+    if args.cases:
+        CASES = [c for c in CASES if any(part in str(c) for part in args.cases.split("|"))]
+        if not CASES:
+            ap.error(f"--cases {args.cases!r} matches no case")
     args.out.mkdir(parents=True, exist_ok=True)
     stream = cupy.cuda.Stream(non_blocking=True)
-    print("== single-block threads (graph us per call; auto = the dispatcher's choice)")
-    report = {"block_sweep": block_sweep(stream)}
+    report = {}
+    if not args.twice_only:
+        print("== single-block threads (graph us per call; auto = the dispatcher's choice)")
+        report["block_sweep"] = block_sweep(stream)
     print("== twice in one block (-DMLA_TWICE): median cycles from entry, 15 eager calls")
     report["twice"] = twice(stream)
     (args.out / "decode.json").write_text(json.dumps(report, indent=1))

@@ -17,6 +17,9 @@
 #              of an earlier commit's kernels/, copied in as an untracked folder; the device
 #              has no .git) and stage_probe.py --stamps-only (STAMPS_ONLY); each kernel set
 #              compiles for about 15 s first, so give them minutes (DECODE_S, STAMPS_S)
+#   twice      scripts/decode_experiment.py --twice-only (TWICE_CASES, TWICE_S): the one-block
+#              decode kernels' alignment twice in one block, pass against pass (cold caches
+#              or work); twice.txt, twice.json
 #   stamps     stage_probe.py --stamps-only alone (STAMPS_ONLY, STAMPS_S): stamps_only.txt;
 #              with STAMPS_POLICY (AlignPolicy fields as NAME=INT,...) a second run under that
 #              policy: stamps_only_policy.txt
@@ -133,6 +136,13 @@ for s in $STEPS; do
         --json "$OUT/tiny.json" 2>&1 | tee "$OUT/tiny.txt" | tail -30
       finish tiny_experiment "${PIPESTATUS[0]}"
       stamps "$OUT/stamps.txt" ;;
+    twice)
+      step "decode twice in one block"
+      timeout ${TWICE_S:-240} python3 scripts/decode_experiment.py --twice-only \
+        ${TWICE_CASES:+--cases "$TWICE_CASES"} --out /tmp/decode-out 2>&1 \
+        | tee "$OUT/twice.txt" | tail -30
+      finish twice "${PIPESTATUS[0]}"
+      cp /tmp/decode-out/decode.json "$OUT/twice.json" 2>/dev/null ;;
     stamps)
       step "stage stamps"
       stamps "$OUT/stamps_only.txt" ;;
