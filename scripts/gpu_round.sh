@@ -17,6 +17,9 @@
 #              of an earlier commit's kernels/, copied in as an untracked folder; the device
 #              has no .git) and stage_probe.py --stamps-only (STAMPS_ONLY); each kernel set
 #              compiles for about 15 s first, so give them minutes (DECODE_S, STAMPS_S)
+#   bounds     scripts/bounds.py (BOUNDS_CASES, BOUNDS_S): issue 18's target rows against the
+#              same launches with emptied kernels, their probe stamps and a fill of their
+#              bytes; bounds.txt, bounds.json
 #   twice      scripts/decode_experiment.py --twice-only (TWICE_CASES, TWICE_S): the one-block
 #              decode kernels' alignment twice in one block, pass against pass (cold caches
 #              or work); twice.txt, twice.json
@@ -136,6 +139,11 @@ for s in $STEPS; do
         --json "$OUT/tiny.json" 2>&1 | tee "$OUT/tiny.txt" | tail -30
       finish tiny_experiment "${PIPESTATUS[0]}"
       stamps "$OUT/stamps.txt" ;;
+    bounds)
+      step "issue 18's rows and their bounds"
+      timeout ${BOUNDS_S:-300} python3 scripts/bounds.py ${BOUNDS_CASES:+--cases "$BOUNDS_CASES"} \
+        --out "$OUT" 2>&1 | tail -40
+      finish bounds "${PIPESTATUS[0]}" ;;
     twice)
       step "decode twice in one block"
       timeout ${TWICE_S:-240} python3 scripts/decode_experiment.py --twice-only \

@@ -1,0 +1,81 @@
+"""scripts/bounds.py's host-side parts: the emptied build, the traffic, the targets and the
+span read from probe stamps (the timings themselves need the GPU machine)."""
+
+import re
+
+import numpy as np
+import pytest
+
+from moe_lora_align import _kernels
+from moe_lora_align._sizes import buffer_sizes
+from test_experiment_runs import _load_script
+
+
+@pytest.fixture(scope="module")
+def bounds():
+    return _load_script("bounds")
+
+
+def _kernel_bodies(text):
+    """Each __global__ function's text from its name to the first statement of its body."""
+    return re.findall(r"__global__\s+void\b[^{};]*\)\s*\{\s*[^;]*;", text)
+
+
+def test_every_kernel_returns_at_once_and_nothing_else_changes(bounds):
+    text = _kernels.inline_source(_kernels.kernel_dir())
+    empty = bounds.empty_source(text)
+    kernels = text.count("__global__")
+    assert kernels >= 14
+    bodies = _kernel_bodies(empty)
+    assert len(bodies) == kernels
+    assert all(body.rstrip().endswith("{ return;") for body in bodies), bodies
+    undone = re.sub(r"(__global__\s+void\b[^{};]*\)\s*\{) return;", r"\1", empty)
+    assert undone == text
+
+
+@pytest.mark.nvrtc
+def test_the_emptied_build_compiles(bounds, tmp_path):
+    cuda_core = pytest.importorskip("cuda.core")
+    build = bounds.empty_build(tmp_path)
+    assert build.options == _kernels.current_build().options
+    names = list(_kernels.kernel_names(np.int32).values())
+    program = cuda_core.Program(_kernels.inline_source(tmp_path), "c++",
+                                options=cuda_core.ProgramOptions(arch="sm_90", std="c++17"))
+    assert bytes(program.compile("cubin", name_expressions=names).code)
+
+
+def test_traffic_counts_routes_slots_and_every_output_entry(bounds):
+    P, M = buffer_sizes(256 * 8, 256, 16)
+    assert bounds.traffic_bytes(("base", 256, 256, 8, 16, None)) == 4 * (2048 + P + M + 1)
+    P, M = buffer_sizes(16 * 8, 256, 16)
+    assert bounds.traffic_bytes(("lora det", 16, 256, 8, 16, 16)) == \
+        4 * (128 + 16 + 16 * (P + M + 1))
+
+
+def test_targets_are_issue_18s(bounds):
+    assert bounds.target_of(("base", 256, 256, 8, 16, None), {}) == 4.1
+    assert bounds.target_of(("base", 64, 256, 8, 16, None), {}) == 2.3
+    assert bounds.target_of(("lora", 16384, 256, 8, 64, 16), {}) == 12.0
+    graph = {str(("base", 256, 256, 8, 16, None)): 4.0}
+    assert bounds.target_of(("base det", 256, 256, 8, 16, None), graph) == pytest.approx(5.2)
+    assert bounds.target_of(("lora det", 16, 256, 8, 16, 16), graph) is None
+    for case in bounds.CASES:
+        assert bounds.target_of(case, {str(("base",) + case[1:]): 1.0,
+                                       str(("lora",) + case[1:]): 1.0}) is not None, case
+
+
+def test_span_reads_the_slowest_block_in_the_order_it_ran(bounds):
+    stamps = np.zeros((8, 160, 8, 2), np.int64)
+    # slot 3 (cooperative), two blocks: block 1 ends last; its stages out of number order
+    for block, entry_ns, cycles in ((0, 1000, [0, 100, 300, 0, 500]),
+                                    (1, 1200, [0, 200, 900, 0, 1000])):
+        for s, c in enumerate(cycles):
+            if s == 0 or c:
+                stamps[3, block, s] = (5000 + c, entry_ns + c)
+    stamps[3, 1, 7] = (5000 + 400, 1200 + 400)   # stage 7 passed between 1 and 2
+    got = bounds.span(stamps, {3: ["entry", "a", "b", "c", "d", "e", "f", "g"]})
+    assert got["span_ns"] == 1200 + 1000 - 1000
+    assert (got["slowest_slot"], got["slowest_block"]) == (3, 1)
+    assert (got["largest_stage"], got["largest_stage_cycles"]) == ("b", 500)
+    assert got["slowest_block_cycles"] == 1000
+    assert bounds.span(np.zeros((8, 160, 8, 2), np.int64), {}) == {"span_ns": None}
