@@ -104,6 +104,11 @@ class AlignPolicy:
     cluster_over_staged_from: int = 4097
     cluster_over_staged_from_deterministic: int = 2304
     cluster_over_staged_entries: int = 16384
+    # Deterministic align_tiny with fill blocks may hold 2 or 4 routes a lane, fewer warps'
+    # counters, where the counters at the fewest routes a lane that cover the routes do not
+    # fit its shared memory (LoRA with 16 slots of 256 experts from T=128); else those calls
+    # leave one block. Off: not yet measured.
+    tiny_det_fewer_warps: bool = False
     chunk_matrix_budget: int = 1 << 18   # entries of the deterministic [chunks, buckets] matrix
 
 
@@ -148,7 +153,8 @@ class Launch:
     block: int                # threads per block
     grid: int = 1             # blocks of each launch (multi: of the place kernel)
     count_grid: int = 1       # multi: blocks of the count kernel (>= grid; extra ones fill)
-    chunk: int = 0            # routes per chunk (multi, cooperative, cluster: per block)
+    chunk: int = 0            # routes per chunk (multi, cooperative, cluster: per block;
+                              #   deterministic align_tiny with fill blocks: per warp)
     range_width: int = 0      # buckets per block (deterministic multi)
     ranges: int = 1           # bucket ranges per chunk (deterministic multi)
     smem_single: int = 0      # dynamic shared bytes of the single-block kernel
@@ -309,12 +315,34 @@ def tiny_block_threads(numel: int, out_entries: int, num_buckets: int,
     return block if block <= BLOCK else None
 
 
-def tiny_warp_counter_bytes(numel: int, block: int, num_buckets: int) -> int:
+def tiny_route_items(numel: int, block: int) -> int:
+    """Routes a lane of deterministic align_tiny holds: the fewest of 1, 2 and 4 that cover
+    ``numel`` routes in a block of ``block`` threads (kernels/one_block.cuh:
+    align_tiny_buckets; with fill blocks the launch names them, ``Launch.chunk``)."""
+    return 1 if numel <= block else 2 if numel <= 2 * block else 4
+
+
+def tiny_warp_counter_bytes(numel: int, block: int, num_buckets: int,
+                            items: int = 0) -> int:
     """Deterministic align_tiny's per-warp counters: a row of ``unsigned short`` (rounded up
-    to even) for each warp holding routes, at 1, 2 or 4 routes a lane (the fewest that cover
-    them; kernels/align_kernels.cu: align_tiny_buckets)."""
-    items = 1 if numel <= block else 2 if numel <= 2 * block else 4
+    to even) for each warp holding routes, at ``items`` routes a lane (0: the fewest that
+    cover them, ``tiny_route_items``)."""
+    items = items or tiny_route_items(numel, block)
     return 2 * _ceil_div(numel, 32 * items) * (num_buckets + (num_buckets & 1))
+
+
+def tiny_filled_items(numel: int, block: int, num_buckets: int, rows: int,
+                      limits: DeviceLimits, policy: AlignPolicy = DEFAULT_POLICY) -> int:
+    """Routes a lane of a deterministic align_tiny launch with fill blocks: the fewest that
+    cover the routes, or with ``tiny_det_fewer_warps`` the fewest of those and 2 and 4 whose
+    counters fit (fewer warps hold the routes, each with a row of counters)."""
+    items = tiny_route_items(numel, block)
+    base = smem_one_block(num_buckets, rows)
+    while (policy.tiny_det_fewer_warps and items < TINY_ITEMS
+           and base + tiny_warp_counter_bytes(numel, block, num_buckets, items)
+           > limits.dynamic_smem):
+        items *= 2
+    return items
 
 
 def tiny_fill_blocks(numel: int, out_entries: int, rows: int, limits: DeviceLimits,
@@ -341,7 +369,11 @@ def _single_block(numel, num_buckets, rows, deterministic, limits, out_entries=0
     tiny = (tiny_block_threads(numel, 0 if fill else out_entries, num_buckets, policy)
             if policy.use_tiny and use_tiny else None)
     if tiny is not None:
-        smem = base + (tiny_warp_counter_bytes(numel, tiny, num_buckets) if deterministic else 0)
+        # with fill blocks the launch names the routes a deterministic lane holds (chunk)
+        items = (tiny_filled_items(numel, tiny, num_buckets, rows, limits, policy)
+                 if deterministic and fill else tiny_route_items(numel, tiny))
+        smem = base + (tiny_warp_counter_bytes(numel, tiny, num_buckets, items)
+                       if deterministic else 0)
         # the staged base row (a bound: out_entries holds the row and its tiles; 0, unknown)
         staged = _align16(smem) + 4 * out_entries
         if (fill_blocks and not fill and rows == 1 and out_entries > 0
@@ -352,7 +384,8 @@ def _single_block(numel, num_buckets, rows, deterministic, limits, out_entries=0
                           tiny=True, stage_output=True)
         if smem <= limits.dynamic_smem:
             return Launch("shared", "single", deterministic, tiny, grid=1 + fill,
-                          smem_single=smem, tiny=True, fill_grid=fill)
+                          smem_single=smem, tiny=True, fill_grid=fill,
+                          chunk=32 * items if deterministic and fill else 0)
     if not deterministic:
         if base > limits.dynamic_smem:
             return None
@@ -806,7 +839,9 @@ def choose_pair(numel: int, base_buckets: int, lora_buckets: int, rows: int,
                        for nb, r in ((base_buckets, 1), (lora_buckets, rows)))
         if smem <= limits.dynamic_smem:
             return Launch("shared", "single", deterministic, block, grid=2 + fill,
-                          smem_single=smem, tiny=True, fill_grid=fill)
+                          smem_single=smem, tiny=True, fill_grid=fill,
+                          chunk=(32 * tiny_route_items(numel, block)
+                                 if deterministic and fill else 0))
     if fill and cooperative_wins(False):
         return None  # the blocks below have no fill blocks
     if base.tiny or lora.tiny:  # two align_single blocks, each side sized for that kernel
@@ -834,7 +869,7 @@ def _one_block_counters(launch: Launch, numel: int, num_buckets: int) -> int:
     if not launch.deterministic:
         return 0
     if launch.tiny:
-        return tiny_warp_counter_bytes(numel, launch.block, num_buckets)
+        return tiny_warp_counter_bytes(numel, launch.block, num_buckets, launch.chunk // 32)
     return 2 * (launch.block // 32) * _even(num_buckets)
 
 
@@ -937,6 +972,11 @@ def check_launch(launch, numel: int, sides, limits: DeviceLimits) -> None:
                    "blocks")
         elif kernel in TINY_KERNELS and launch.fill_grid and grid > limits.sm_count:
             why = f"{grid} blocks cannot all be resident on {limits.sm_count} SMs"
+        elif (kernel in TINY_KERNELS and launch.fill_grid and launch.deterministic
+              and (launch.chunk not in (32, 64, 32 * TINY_ITEMS)
+                   or launch.chunk * (block // 32) < numel)):
+            why = (f"{launch.chunk} routes a warp (32, 64 or {32 * TINY_ITEMS}) in "
+                   f"{block // 32} warps for {numel} routes")
         elif kernel == "cooperative" and launch.chunk > COOP_ITEMS * block:
             why = f"chunks of {launch.chunk} routes, more than {COOP_ITEMS} a thread of {block}"
         elif kernel == "cooperative" and launch.sorted and block != BLOCK:

@@ -52,6 +52,13 @@ def routing(rng, T, K, E, kind):
     return rng.integers(E, size=(T, K)).astype(np.int32)
 
 
+def cases_matching(cases, pattern):
+    """The cases whose printed tuple contains one of ``pattern``'s '|'-separated parts, all
+    of them for an empty pattern: the scripts' ``--cases`` selection."""
+    parts = [part for part in (pattern or "").split("|") if part]
+    return [c for c in cases if not parts or any(part in str(c) for part in parts)]
+
+
 def lora_inputs(rng, T, L):
     mapping = rng.integers(L, size=T).astype(np.int32)
     used = np.unique(mapping)

@@ -37,7 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from moe_lora_align import _kernels  # noqa: E402
 from moe_lora_align._sizes import buffer_sizes  # noqa: E402
-from moe_lora_align.bench import DETERMINISTIC_OVER_DEFAULT, graph_target  # noqa: E402
+from moe_lora_align.bench import (DETERMINISTIC_OVER_DEFAULT, cases_matching,  # noqa: E402
+                                  graph_target)
 
 CASES = [  # op ("... det": deterministic=True), T, E, K, B, L, as stage_probe.make_call takes
     ("base", 1, 64, 8, 16, None), ("base", 16, 256, 8, 16, None),
@@ -122,11 +123,9 @@ def main(argv=None):
     ap.add_argument("--out", type=Path, default=Path("bounds-out"))
     ap.add_argument("--cases", default=None, help="'|'-separated parts of the cases' text")
     args = ap.parse_args(argv)
-    cases = CASES
-    if args.cases:
-        cases = [c for c in CASES if any(p in str(c) for p in args.cases.split("|"))]
-        if not cases:
-            ap.error(f"--cases {args.cases!r} matches no case")
+    cases = cases_matching(CASES, args.cases)
+    if not cases:
+        ap.error(f"--cases {args.cases!r} matches no case")
     args.out.mkdir(parents=True, exist_ok=True)
 
     import cupy

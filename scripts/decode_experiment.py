@@ -28,7 +28,7 @@ from pathlib import Path
 import cupy
 
 from moe_lora_align import _dispatch, _kernels
-from moe_lora_align.bench import graph_us
+from moe_lora_align.bench import cases_matching, graph_us
 from stage_probe import make_call, probe_run, reload_kernels  # same folder
 
 CASES = [  # op, T, E, K, B, L
@@ -103,10 +103,9 @@ def main():
     ap.add_argument("--twice-only", action="store_true", help="skip the block sweep")
     ap.add_argument("--cases", default=None, help="'|'-separated parts of the cases' text")
     args = ap.parse_args()
-    if args.cases:
-        CASES = [c for c in CASES if any(part in str(c) for part in args.cases.split("|"))]
-        if not CASES:
-            ap.error(f"--cases {args.cases!r} matches no case")
+    CASES = cases_matching(CASES, args.cases)
+    if not CASES:
+        ap.error(f"--cases {args.cases!r} matches no case")
     args.out.mkdir(parents=True, exist_ok=True)
     stream = cupy.cuda.Stream(non_blocking=True)
     report = {}

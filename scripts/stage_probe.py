@@ -29,7 +29,7 @@ import numpy as np
 
 import moe_lora_align as mla
 from moe_lora_align import _kernels
-from moe_lora_align.bench import GRAPH_CALLS, graph_us, lora_inputs, routing
+from moe_lora_align.bench import GRAPH_CALLS, cases_matching, graph_us, lora_inputs, routing
 
 FLOOR_SRC = r"""
 extern "C" __global__ void empty() {}
@@ -271,9 +271,7 @@ def main():
         POLICY = mla.AlignPolicy(**{k: int(v) for k, v in
                                     (kv.split("=") for kv in args.policy.split(","))})
     args.out.mkdir(parents=True, exist_ok=True)
-    parts = args.only.split("|")
-    CASES[:] = [c for c in CASES
-                if c[1] >= args.min_tokens and any(part in str(c) for part in parts)]
+    CASES[:] = [c for c in cases_matching(CASES, args.only) if c[1] >= args.min_tokens]
     stream = cupy.cuda.Stream(non_blocking=True)
     report = {"graph_calls": GRAPH_CALLS}
     base_opts = _kernels.current_build().options

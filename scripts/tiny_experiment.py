@@ -37,7 +37,8 @@ import numpy as np
 
 import moe_lora_align as mla
 from moe_lora_align import _kernels
-from moe_lora_align.bench import check_against_numpy, graph_us, lora_inputs, routing
+from moe_lora_align.bench import (cases_matching, check_against_numpy, graph_us, lora_inputs,
+                                  routing)
 from moe_lora_align.testing import segment_starts
 
 CASES = [  # op, T, E, K, B, L
@@ -215,10 +216,7 @@ def main():
     print(f"{'case':40s} " + " ".join(f"{n:>10s}" for n, _, _, _, _ in runs)
           + f"   (graph us, median of {args.turns} in turn)")
     by_name = {r[0]: r for r in runs}
-    wanted = [part for part in args.cases.split("|") if part]
-    for case in CASES:
-        if wanted and not any(part in str(case) for part in wanted):
-            continue
+    for case in cases_matching(CASES, args.cases):
         op, T, E, K, B, L = case
 
         def time_run(name):

@@ -121,3 +121,13 @@ def test_new_shape_paths_take_a_new_token_count_each_call(op, monkeypatch):
     numels = [3 * 2 + n * 2 for n in range(bench.NEW_SHAPES)]
     assert lengths == [mla.buffer_sizes(n, 8, 4)[0] for n in numels + numels[:2]]
     assert bench.NEW_SHAPES > mla._call.CACHE_SIZE
+
+
+def test_cases_matching_selects_by_the_printed_tuple():
+    from moe_lora_align.bench import cases_matching
+    cases = [("base", 16, 256, 8, 16, None), ("lora", 16, 256, 8, 16, 16),
+             ("base det", 256, 256, 8, 16, None)]
+    assert cases_matching(cases, "") == cases == cases_matching(cases, None)
+    assert cases_matching(cases, "('lora'") == [cases[1]]
+    assert cases_matching(cases, "('base', 16,|det") == [cases[0], cases[2]]
+    assert cases_matching(cases, "('pair'") == []

@@ -962,3 +962,58 @@ def test_tiny_staged_base_row():
     off = d.AlignPolicy(tiny_stage_from=1 << 62)
     assert d.tiny_stage_entries(d.choose_launch(2048, 256, 1, H200, out_entries=P + M,
                                                 policy=off), 2048, 256) == 0
+
+
+def test_deterministic_tiny_with_fill_blocks_names_its_routes_a_warp():
+    # LoRA, 16 slots of 256 experts: the fewest routes a lane that cover the routes, as a
+    # warp's routes in Launch.chunk; from T=128 their counters (32 warps x 4096 buckets) do
+    # not fit, and tiny_det_fewer_warps takes 2 or 4 routes a lane instead of leaving one
+    # block (the segment sort in the cooperative launch, by default).
+    fewer = d.AlignPolicy(tiny_det_fewer_warps=True)
+    for T, B, default_chunk, fewer_chunk in ((16, 16, 32, 32), (64, 16, 32, 32),
+                                             (128, 16, None, 64), (256, 16, None, 128),
+                                             (256, 64, None, 128), (384, 16, 128, 128),
+                                             (512, 16, None, None)):
+        P, M = buffer_sizes(T * 8, 256, B)
+        for policy, chunk in ((d.DEFAULT_POLICY, default_chunk), (fewer, fewer_chunk)):
+            launch = d.choose_launch(T * 8, 16 * 256, 16, H200, deterministic=True,
+                                     out_entries=16 * (P + M), policy=policy)
+            if chunk is None:
+                assert launch.kind == "cooperative" and launch.sorted, (T, policy)
+                continue
+            assert launch.tiny and launch.fill_grid and launch.chunk == chunk, (T, policy)
+            items = chunk // 32
+            assert d.smem_one_block(16 * 256, 16, d.tiny_warp_counter_bytes(
+                T * 8, launch.block, 16 * 256, items)) == launch.smem_single
+            d.check_launch(launch, T * 8, [(16 * 256, 16)], H200)
+    # Without fill blocks, and free order: no routes a warp named (the kernel's own rule)
+    assert not d.choose_launch(128, 256, 1, H200, deterministic=True, out_entries=1000).chunk
+    P, M = buffer_sizes(256 * 8, 256, 16)
+    assert not d.choose_launch(256 * 8, 16 * 256, 16, H200, out_entries=16 * (P + M),
+                               policy=fewer).chunk
+    # The fused tiny pair with fill blocks: the rule's routes a lane at the pair's block
+    P, M = buffer_sizes(64 * 8, 256, 16)
+    pair = d.choose_pair(64 * 8, 256, 16 * 256, 16, H200, deterministic=True,
+                         out_entries=16 * (P + M))
+    assert pair.tiny and pair.fill_grid and pair.chunk == 32 * d.tiny_route_items(512, pair.block)
+    d.check_launch(pair, 64 * 8, [(256, 1), (16 * 256, 16)], H200)
+
+
+def test_guard_checks_the_routes_a_warp_of_deterministic_tiny_with_fill_blocks():
+    import dataclasses
+    P, M = buffer_sizes(256 * 8, 256, 16)
+    launch = d.choose_launch(256 * 8, 16 * 256, 16, H200, deterministic=True,
+                             out_entries=16 * (P + M),
+                             policy=d.AlignPolicy(tiny_det_fewer_warps=True))
+    sides = [(16 * 256, 16)]
+    d.check_launch(launch, 256 * 8, sides, H200)
+    # none named: the kernel's rule, whose counters the launch's shared memory cannot hold
+    with pytest.raises(d.LaunchRefused, match="shared memory"):
+        d.check_launch(dataclasses.replace(launch, chunk=0), 256 * 8, sides, H200)
+    for chunk, why in ((96, "shared memory"), (256, "routes a warp")):
+        with pytest.raises(d.LaunchRefused, match=why):
+            d.check_launch(dataclasses.replace(launch, chunk=chunk), 256 * 8, sides, H200)
+    # fewer routes a warp than cover the routes
+    with pytest.raises(d.LaunchRefused, match="routes a warp"):
+        d.check_launch(dataclasses.replace(launch, block=256), 256 * 8,
+                       sides, H200)

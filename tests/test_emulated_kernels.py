@@ -613,6 +613,27 @@ def test_lora_tiny_with_and_without_fill_blocks(emu, E, T, rows, det, how):
              TINY_FILL[how], seeds=(salt,))
 
 
+FEWER_WARPS = AlignPolicy(tiny_det_fewer_warps=True)
+
+
+@pytest.mark.parametrize("kind", ["uniform", "skewed", "invalid"])
+@pytest.mark.parametrize("T,E,B,items", [(256, 256, 16, 4), (128, 256, 16, 2),
+                                         (255, 256, 64, 4), (129, 256, 16, 2),
+                                         (64, 256, 16, 1)])
+def test_deterministic_tiny_with_fewer_warps(emu, T, E, B, items, kind):
+    """Deterministic align_tiny_filled holding more routes a lane than the fewest that cover
+    them (``tiny_det_fewer_warps``), where the counters of those do not fit (LoRA, 16 slots
+    of 256 experts, from T=128): flat-order ranks from fewer warps' counters, with disabled
+    adapters, all slots listed or none, base-model tokens, skewed routing and invalid ids."""
+    P, M = buffer_sizes(T * 8, E, B)
+    launch = _dispatch.choose_launch(T * 8, 16 * E, 16, emulator.LIMITS, deterministic=True,
+                                     out_entries=16 * (P + M), policy=FEWER_WARPS)
+    assert launch.tiny and launch.fill_grid and launch.chunk == 32 * items
+    for salt in range(2):
+        _run(emu, Case(T, 8, E, B, rows=16, kind=kind, seed=130 + salt, disabled=1 + salt,
+                       with_ids=salt == 0), True, None, FEWER_WARPS, seeds=(salt,))
+
+
 @pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
 @pytest.mark.parametrize("fill", [True, False], ids=["fill_blocks", "no_fill_blocks"])
 @pytest.mark.parametrize("T,E,B,L", [(16, 256, 16, 16), (5, 64, 16, 16), (64, 128, 16, 4),

@@ -64,9 +64,10 @@ def _base_case(E, T, variant, deterministic, salt, *, expert_map_mode=None, scat
 
 
 def _lora_case(E, T, variant, deterministic, salt, *, max_loras=None, with_ids=True,
-               disabled=1, allocate=False, use_map=False, topk=None, policy=None):
+               disabled=1, allocate=False, use_map=False, topk=None, policy=None,
+               block_size=None):
     rng, K, B, dtype, kind = _case_params(E, T, salt)
-    K = topk or K
+    K, B = topk or K, block_size or B
     if max_loras is None:
         max_loras = (1, 4, 16)[(E + T + salt) % 3]
     ids = make_routing(rng, T, K, E, dtype, kind)
@@ -362,6 +363,25 @@ def test_lora_cooperative_with_and_without_fill_blocks(E, T, rows, det, how):
     for salt in range(2):
         _lora_case(E, T, "cooperative", det, salt=95 + salt, topk=8, max_loras=rows,
                    policy=COOP_FILL[how], allocate=salt == 1, disabled=1 + salt)
+
+
+# Deterministic align_tiny_filled holding more routes a lane than the fewest that cover them
+# (tiny_det_fewer_warps), where those warps' counters do not fit: LoRA, 16 slots of 256
+# experts, from T=128; every routing kind and dtype the salts pick, slots listed or not.
+FEWER_WARPS = mla.AlignPolicy(tiny_det_fewer_warps=True)
+
+
+@pytest.mark.parametrize("salt", range(3))
+@pytest.mark.parametrize("T,B,items", [(256, 16, 4), (128, 16, 2), (255, 64, 4), (129, 16, 2),
+                                       (64, 16, 1)])
+def test_deterministic_tiny_with_fewer_warps(T, B, items, salt):
+    P, M = mla.buffer_sizes(T * 8, 256, B)
+    launch = mla._dispatch.choose_launch(T * 8, 16 * 256, 16, mla._launch.device_limits(0),
+                                         deterministic=True, out_entries=16 * (P + M),
+                                         policy=FEWER_WARPS)
+    assert launch.tiny and launch.fill_grid and launch.chunk == 32 * items
+    _lora_case(256, T, None, True, salt=130 + salt, max_loras=16, topk=8, block_size=B,
+               policy=FEWER_WARPS, allocate=salt == 2, disabled=1 + salt, with_ids=salt != 1)
 
 
 # align_tiny with fill blocks (blocks past the first write the sentinel fill and the tiles'
