@@ -79,3 +79,44 @@ def test_span_reads_the_slowest_block_in_the_order_it_ran(bounds):
     assert (got["largest_stage"], got["largest_stage_cycles"]) == ("b", 500)
     assert got["slowest_block_cycles"] == 1000
     assert bounds.span(np.zeros((8, 160, 8, 2), np.int64), {}) == {"span_ns": None}
+
+
+def test_main_writes_a_row_a_case(bounds, tmp_path, monkeypatch):
+    """main's flow with the GPU parts stood in for: every case gets its figures, its target
+    and a verdict, and the kernels' build is the package's again afterwards."""
+    import sys
+    import types
+    from unittest import mock
+
+    import importlib
+    bench = importlib.import_module("moe_lora_align.bench")  # the module main imports from
+
+    stamps = np.zeros((8, 160, 8, 2), np.int64)
+    stamps[0, 0, :3] = [(1000, 5000), (1400, 5200), (2600, 5800)]
+    probe = types.SimpleNamespace(
+        KERNEL={0: "single"}, STAGES={0: ["entry", "rows+fill", "claim"]},
+        make_call=lambda case, stream: (lambda: None), probe_run=lambda fn, stream: stamps,
+        reload_kernels=lambda options: None)
+    monkeypatch.setitem(sys.modules, "stage_probe", probe)
+    monkeypatch.setitem(sys.modules, "cupy", mock.MagicMock(name="cupy"))
+    figures = iter(range(1, 1000))
+    monkeypatch.setattr(bench, "graph_us", lambda fn, stream: float(next(figures)))
+    builds = []
+    monkeypatch.setattr(_kernels, "use_build", builds.append)
+    built = _kernels.current_build()
+    assert bounds.main(["--out", str(tmp_path), "--cases",
+                        "('base', 256, 256|('base det', 256, 256"]) == 0
+    assert builds[-1] == built and builds[0].source_dir is not None
+    text = (tmp_path / "bounds.txt").read_text().splitlines()
+    # figures in turn: graph 1 and 2, fills 3 and 4, emptied 5 and 6, probe builds 7 and 8
+    assert len(text) == 4 and text[1].endswith("claim 1200c of 1600c met")
+    assert text[2].endswith("MISS")  # 2.0 against 1.3 x 1.0
+    import json
+    rows = json.loads((tmp_path / "bounds.json").read_text())
+    det = rows[str(("base det", 256, 256, 8, 16, None))]
+    default = rows[str(("base", 256, 256, 8, 16, None))]
+    assert det["target_us"] == pytest.approx(1.3 * default["graph_us"])
+    assert default["target_us"] == 4.1 and default["span_ns"] == 800
+    assert default["work_us"] == default["graph_us"] - default["empty_us"]
+    with pytest.raises(SystemExit):
+        bounds.main(["--out", str(tmp_path), "--cases", "('nothing'"])

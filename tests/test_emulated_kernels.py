@@ -669,3 +669,33 @@ def test_ordered_cooperative_totals_leave_the_scratch_clean(emu):
         emulator.run(emu, case.job(det), variant="cooperative", policy=policy, workspace=ws,
                      seed=n)
         case.check(det)
+
+
+# ---- the probe build of scripts/decode_experiment.py ----------------------------------------
+def test_the_twice_probe_runs_align_tiny_twice_and_keeps_both_passes(tmp_path):
+    """-DMLA_PROBE -DMLA_TWICE: align_tiny (its one-warp path and a thread a bucket) and
+    align_tiny_staged run their alignment twice in the block; the outputs are one pass's,
+    pass 1's stamps end in kernel slot 0 and pass 2's, later, in slot 1."""
+    import ctypes
+    import shutil
+
+    src = tmp_path / "kernels"
+    shutil.copytree(_kernels.kernel_dir(), src)
+    main = src / "align_kernels.cu"
+    main.write_text("#define MLA_PROBE\n#define MLA_TWICE\n" + main.read_text())
+    emu = emulator.Emulator(emulator.build(src))
+    probe = np.ctypeslib.as_array(
+        (ctypes.c_ulonglong * (8 * 160 * 8 * 2)).in_dll(emu.lib, "mla_probe")).reshape(
+            8, 160, 8, 2)
+    for case, kernel in ((Case(2, 8, 64, 16, seed=1), "align_tiny"),
+                         (Case(64, 8, 256, 16, seed=2), "align_tiny"),
+                         (Case(256, 8, 256, 16, seed=3), "align_tiny_staged")):
+        for det in (False, True):
+            probe[:] = 0
+            start = len(emu.launched)
+            emulator.run(emu, case.job(det), seed=0)
+            assert [name.split("<")[0] for name, _, _ in emu.launched[start:]] == [kernel]
+            case.check(det)
+            first, second = probe[0, 0, :, 1], probe[1, 0, :, 1]
+            assert (first[:5] > 0).all() and (second[:5] > 0).all()
+            assert second[0] > first[4]  # pass 2 entered after pass 1's stores
