@@ -39,8 +39,7 @@ struct Problem {
   int expert_pitch;
   int map_mode;                 // 0: no map, 1: map before counting, 2: map tile ids after
   int fill_unprocessed;         // write the empty alignment into rows that are not processed
-  int chunk;                    // routes per chunk (multi-block kernels; deterministic
-                                //   align_tiny_filled and its pair: the routes a warp holds)
+  int chunk;                    // routes per chunk (multi-block kernels)
   int range_width;              // buckets per block (deterministic multi-block kernels)
   int ranges;                   // bucket ranges per chunk (deterministic multi-block kernels)
   int starts_in_smem;           // place kernel: copy starts to shared memory for the tile search

@@ -105,8 +105,7 @@ __global__ void align_pair(const Problem first, const Problem second) {
 // (LoRA with many slots) go to fill blocks instead (align_tiny_filled): the launch's blocks
 // past the first write them, and block 0 waits for their arrivals only before its stores.
 // DET: ranks in flat-index order. Warp w owns routes [w * items * 32, (w + 1) * items * 32),
-// items = 1, 2 or 4 routes a lane (the fewest that cover the routes; with fill blocks the
-// launch's p.chunk / 32, more where the counters of fewer would not fit); ranks within the warp
+// items = 1, 2 or 4 routes a lane (the fewest that cover the routes); ranks within the warp
 // come in lane order (claim_in_lane_order into the warp's own counters), and each bucket's
 // thread turns its column of warp counts into a prefix over the warps before the scan.
 // After the row region: starts[nb + 1] ints (counts first, then the padded scan in place) |
@@ -139,9 +138,7 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
   int* starts = reinterpret_cast<int*>(dynamic_smem + row_region_bytes(p.rows));
   // DET: routes a lane (1, 2 or 4, so log2 is items >> 1), warps holding routes, counters.
   const int bd = blockDim.x;
-  const int items = !DET ? TINY_ITEMS
-                    : FILLED ? p.chunk >> 5
-                    : p.numel <= bd ? 1 : p.numel <= 2 * bd ? 2 : 4;
+  const int items = !DET ? TINY_ITEMS : p.numel <= bd ? 1 : p.numel <= 2 * bd ? 2 : 4;
   const int route_warps = DET ? (p.numel + (32 << (items >> 1)) - 1) >> (5 + (items >> 1)) : 0;
   const int stride = (nb + 1) & ~1;
   unsigned short* warp_counts = reinterpret_cast<unsigned short*>(starts + nb + 1);

@@ -85,8 +85,9 @@ class AlignPolicy:
     # threads, one an SM, and gives whole SMs to fill blocks: one per coop_fill_sm_entries
     # entries, as many as the counting blocks leave (COOP_ITEMS routes a thread at most).
     # The counting blocks keep every thread for the work after the barrier, which blocks of
-    # FILL_SPLIT_BLOCK threads lacked at large fills (r41's stamps). Off: not yet measured.
-    coop_fill_sms_from: int = 1 << 62
+    # FILL_SPLIT_BLOCK threads lacked at large fills (r47, H100: LoRA T=4096 E=256 16 slots
+    # 11.39 against 13.05 us; below 2^18 entries the split won: base T=4096 6.76 against 8.06).
+    coop_fill_sms_from: int = 1 << 18
     coop_fill_sm_entries: int = 32768
     # From this many output entries align_tiny (past one warp's routes) gets fill blocks:
     # a block per fill_per_block entries writes the fill while block 0 counts. LoRA rows
@@ -104,11 +105,6 @@ class AlignPolicy:
     cluster_over_staged_from: int = 4097
     cluster_over_staged_from_deterministic: int = 2304
     cluster_over_staged_entries: int = 16384
-    # Deterministic align_tiny with fill blocks may hold 2 or 4 routes a lane, fewer warps'
-    # counters, where the counters at the fewest routes a lane that cover the routes do not
-    # fit its shared memory (LoRA with 16 slots of 256 experts from T=128); else those calls
-    # leave one block. Off: not yet measured.
-    tiny_det_fewer_warps: bool = False
     chunk_matrix_budget: int = 1 << 18   # entries of the deterministic [chunks, buckets] matrix
 
 
@@ -153,8 +149,7 @@ class Launch:
     block: int                # threads per block
     grid: int = 1             # blocks of each launch (multi: of the place kernel)
     count_grid: int = 1       # multi: blocks of the count kernel (>= grid; extra ones fill)
-    chunk: int = 0            # routes per chunk (multi, cooperative, cluster: per block;
-                              #   deterministic align_tiny with fill blocks: per warp)
+    chunk: int = 0            # routes per chunk (multi, cooperative, cluster: per block)
     range_width: int = 0      # buckets per block (deterministic multi)
     ranges: int = 1           # bucket ranges per chunk (deterministic multi)
     smem_single: int = 0      # dynamic shared bytes of the single-block kernel
@@ -315,34 +310,12 @@ def tiny_block_threads(numel: int, out_entries: int, num_buckets: int,
     return block if block <= BLOCK else None
 
 
-def tiny_route_items(numel: int, block: int) -> int:
-    """Routes a lane of deterministic align_tiny holds: the fewest of 1, 2 and 4 that cover
-    ``numel`` routes in a block of ``block`` threads (kernels/one_block.cuh:
-    align_tiny_buckets; with fill blocks the launch names them, ``Launch.chunk``)."""
-    return 1 if numel <= block else 2 if numel <= 2 * block else 4
-
-
-def tiny_warp_counter_bytes(numel: int, block: int, num_buckets: int,
-                            items: int = 0) -> int:
+def tiny_warp_counter_bytes(numel: int, block: int, num_buckets: int) -> int:
     """Deterministic align_tiny's per-warp counters: a row of ``unsigned short`` (rounded up
-    to even) for each warp holding routes, at ``items`` routes a lane (0: the fewest that
-    cover them, ``tiny_route_items``)."""
-    items = items or tiny_route_items(numel, block)
+    to even) for each warp holding routes, at 1, 2 or 4 routes a lane (the fewest that cover
+    them; kernels/align_kernels.cu: align_tiny_buckets)."""
+    items = 1 if numel <= block else 2 if numel <= 2 * block else 4
     return 2 * _ceil_div(numel, 32 * items) * (num_buckets + (num_buckets & 1))
-
-
-def tiny_filled_items(numel: int, block: int, num_buckets: int, rows: int,
-                      limits: DeviceLimits, policy: AlignPolicy = DEFAULT_POLICY) -> int:
-    """Routes a lane of a deterministic align_tiny launch with fill blocks: the fewest that
-    cover the routes, or with ``tiny_det_fewer_warps`` the fewest of those and 2 and 4 whose
-    counters fit (fewer warps hold the routes, each with a row of counters)."""
-    items = tiny_route_items(numel, block)
-    base = smem_one_block(num_buckets, rows)
-    while (policy.tiny_det_fewer_warps and items < TINY_ITEMS
-           and base + tiny_warp_counter_bytes(numel, block, num_buckets, items)
-           > limits.dynamic_smem):
-        items *= 2
-    return items
 
 
 def tiny_fill_blocks(numel: int, out_entries: int, rows: int, limits: DeviceLimits,
@@ -369,11 +342,7 @@ def _single_block(numel, num_buckets, rows, deterministic, limits, out_entries=0
     tiny = (tiny_block_threads(numel, 0 if fill else out_entries, num_buckets, policy)
             if policy.use_tiny and use_tiny else None)
     if tiny is not None:
-        # with fill blocks the launch names the routes a deterministic lane holds (chunk)
-        items = (tiny_filled_items(numel, tiny, num_buckets, rows, limits, policy)
-                 if deterministic and fill else tiny_route_items(numel, tiny))
-        smem = base + (tiny_warp_counter_bytes(numel, tiny, num_buckets, items)
-                       if deterministic else 0)
+        smem = base + (tiny_warp_counter_bytes(numel, tiny, num_buckets) if deterministic else 0)
         # the staged base row (a bound: out_entries holds the row and its tiles; 0, unknown)
         staged = _align16(smem) + 4 * out_entries
         if (fill_blocks and not fill and rows == 1 and out_entries > 0
@@ -384,8 +353,7 @@ def _single_block(numel, num_buckets, rows, deterministic, limits, out_entries=0
                           tiny=True, stage_output=True)
         if smem <= limits.dynamic_smem:
             return Launch("shared", "single", deterministic, tiny, grid=1 + fill,
-                          smem_single=smem, tiny=True, fill_grid=fill,
-                          chunk=32 * items if deterministic and fill else 0)
+                          smem_single=smem, tiny=True, fill_grid=fill)
     if not deterministic:
         if base > limits.dynamic_smem:
             return None
@@ -453,15 +421,16 @@ def _cooperative(numel, num_buckets, rows, limits, out_entries, deterministic=Fa
     of per-warp counters for ordered ranks) does not fit. Deterministic: the way the policy
     prefers (``sorts_segments``), else the other where only it fits.
 
-    Where ``fill_blocks`` and ``coop_fill_sms_from`` allow, one block of BLOCK threads an
-    SM: counting blocks, then fill blocks that only write the sentinel fill, on SMs of their
-    own. Else, where ``coop_fill_blocks`` allows, blocks of FILL_SPLIT_BLOCK threads, two an
-    SM: counting blocks, then fill blocks. Else (or where neither fits) one block of BLOCK
-    threads an SM, the counting blocks filling too. Every block is resident whatever the
-    occupancy."""
+    Where ``fill_blocks``, ``coop_fill_sms_from`` and ``coop_fill_blocks_from`` allow, one
+    block of BLOCK threads an SM: counting blocks, then fill blocks that only write the
+    sentinel fill, on SMs of their own. Else, where ``coop_fill_blocks`` allows, blocks of
+    FILL_SPLIT_BLOCK threads, two an SM: counting blocks, then fill blocks. Else (or where
+    neither fits) one block of BLOCK threads an SM, the counting blocks filling too. Every
+    block is resident whatever the occupancy."""
     if not limits.cooperative:
         return None
-    if fill_blocks and out_entries >= policy.coop_fill_sms_from:
+    if fill_blocks and out_entries >= max(policy.coop_fill_sms_from,
+                                          policy.coop_fill_blocks_from):
         whole = _cooperative_blocks(numel, num_buckets, rows, limits, out_entries,
                                     deterministic, policy, BLOCK, fill_sms=True)
         if whole is not None:
@@ -839,9 +808,7 @@ def choose_pair(numel: int, base_buckets: int, lora_buckets: int, rows: int,
                        for nb, r in ((base_buckets, 1), (lora_buckets, rows)))
         if smem <= limits.dynamic_smem:
             return Launch("shared", "single", deterministic, block, grid=2 + fill,
-                          smem_single=smem, tiny=True, fill_grid=fill,
-                          chunk=(32 * tiny_route_items(numel, block)
-                                 if deterministic and fill else 0))
+                          smem_single=smem, tiny=True, fill_grid=fill)
     if fill and cooperative_wins(False):
         return None  # the blocks below have no fill blocks
     if base.tiny or lora.tiny:  # two align_single blocks, each side sized for that kernel
@@ -869,7 +836,7 @@ def _one_block_counters(launch: Launch, numel: int, num_buckets: int) -> int:
     if not launch.deterministic:
         return 0
     if launch.tiny:
-        return tiny_warp_counter_bytes(numel, launch.block, num_buckets, launch.chunk // 32)
+        return tiny_warp_counter_bytes(numel, launch.block, num_buckets)
     return 2 * (launch.block // 32) * _even(num_buckets)
 
 
@@ -972,11 +939,6 @@ def check_launch(launch, numel: int, sides, limits: DeviceLimits) -> None:
                    "blocks")
         elif kernel in TINY_KERNELS and launch.fill_grid and grid > limits.sm_count:
             why = f"{grid} blocks cannot all be resident on {limits.sm_count} SMs"
-        elif (kernel in TINY_KERNELS and launch.fill_grid and launch.deterministic
-              and (launch.chunk not in (32, 64, 32 * TINY_ITEMS)
-                   or launch.chunk * (block // 32) < numel)):
-            why = (f"{launch.chunk} routes a warp (32, 64 or {32 * TINY_ITEMS}) in "
-                   f"{block // 32} warps for {numel} routes")
         elif kernel == "cooperative" and launch.chunk > COOP_ITEMS * block:
             why = f"chunks of {launch.chunk} routes, more than {COOP_ITEMS} a thread of {block}"
         elif kernel == "cooperative" and launch.sorted and block != BLOCK:

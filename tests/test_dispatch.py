@@ -165,15 +165,16 @@ def test_deterministic_calls_sort_after_the_fast_kernels():
 
 
 NO_FILL_BLOCKS = d.AlignPolicy(coop_fill_blocks_from=1 << 62)
-ALL_FILL_BLOCKS = d.AlignPolicy(coop_fill_blocks_below=1 << 62)
+ALL_FILL_BLOCKS = d.AlignPolicy(coop_fill_blocks_below=1 << 62, coop_fill_sms_from=1 << 62)
 FILL_SMS = d.AlignPolicy(coop_fill_sms_from=0)
+SPLIT_ONLY = d.AlignPolicy(coop_fill_sms_from=1 << 62)  # the split's own bounds, as before r47
 
 
 def test_fill_blocks_on_sms_of_their_own():
     # From coop_fill_sms_from output entries: blocks of BLOCK threads, a fill block per
     # coop_fill_sm_entries entries, the routes in chunks of whole warps over the other SMs.
     sms, per_sm = H200.sm_count, d.DEFAULT_POLICY.coop_fill_sm_entries
-    assert d.DEFAULT_POLICY.coop_fill_sms_from > 10**12  # off until measured
+    assert d.DEFAULT_POLICY.coop_fill_sms_from == d.DEFAULT_POLICY.coop_fill_blocks_below
     P, M = buffer_sizes(16384 * 8, 256, 64)
     entries = 16 * (P + M)
     launch = d.choose_launch(16384 * 8, 16 * 256, 16, H200, out_entries=entries,
@@ -230,10 +231,13 @@ def test_cooperative_fill_spreads_over_the_sms():
     # LoRA T=4096, 16 slots, E=256, B=64: 16 rows of sentinels to write
     entries = 16 * (48896 + 764)
     fill = -(-entries // d.DEFAULT_POLICY.fill_per_block)
-    # Fill blocks (by default only below coop_fill_blocks_below entries): 64 counting blocks
-    # of 512 routes, then the fill's blocks.
-    assert entries >= d.DEFAULT_POLICY.coop_fill_blocks_below
-    assert not d.choose_launch(4096 * 8, 16 * 256, 16, H200, out_entries=entries).fill_grid
+    # By default, past coop_fill_sms_from: blocks of 1024, a fill SM per 32K entries.
+    # Split fill blocks: 64 counting blocks of 512 routes, then the fill's blocks.
+    assert entries >= d.DEFAULT_POLICY.coop_fill_sms_from
+    default = d.choose_launch(4096 * 8, 16 * 256, 16, H200, out_entries=entries)
+    assert default.block == d.BLOCK and default.fill_grid == -(-entries // 32768)
+    assert not d.choose_launch(4096 * 8, 16 * 256, 16, H200, out_entries=entries,
+                               policy=SPLIT_ONLY).fill_grid
     launch = d.choose_launch(4096 * 8, 16 * 256, 16, H200, out_entries=entries,
                              policy=ALL_FILL_BLOCKS)
     assert launch.kind == "cooperative" and launch.block == d.FILL_SPLIT_BLOCK
@@ -254,7 +258,8 @@ def test_cooperative_fill_spreads_over_the_sms():
 def test_fill_blocks_of_free_order_calls_with_few_routes():
     # Past coop_fill_blocks_below, free-order calls of fewer than coop_fill_blocks_free_routes
     # routes keep fill blocks below coop_fill_blocks_free_below entries; ordered calls do not.
-    policy = d.DEFAULT_POLICY
+    # (Where the fill SMs are off: since r47 they take every call past coop_fill_sms_from.)
+    policy = SPLIT_ONLY
     routes, free_below = policy.coop_fill_blocks_free_routes, policy.coop_fill_blocks_free_below
     assert policy.coop_fill_blocks_below < free_below
     for numel, entries, split in ((routes - 1, free_below - 1, True),
@@ -263,16 +268,21 @@ def test_fill_blocks_of_free_order_calls_with_few_routes():
                                   (routes, policy.coop_fill_blocks_below - 1, True)):
         for det in (False, True):
             launch = d.choose_launch(numel, 1024, 4, H200, out_entries=entries,
-                                     deterministic=det, variant="cooperative")
+                                     deterministic=det, variant="cooperative", policy=policy)
             want = split and (not det or entries < policy.coop_fill_blocks_below)
             assert bool(launch.fill_grid) == want, (numel, entries, det)
     # The r41 cases of the LoRA A/B line (E=256, K=8, B=64): T=2048 16 slots and T=16384
-    # 4 slots take them, T=4096 16 slots (794K entries) and base T=32768 do not.
+    # 4 slots take them, T=4096 16 slots (794K entries) and base T=32768 do not; by default
+    # (r47) all four have fill SMs.
     for T, slots, split in ((2048, 16, True), (16384, 4, True), (4096, 16, False),
                             (32768, 1, False)):
         P, M = buffer_sizes(T * 8, 256, 64)
-        launch = d.choose_launch(T * 8, slots * 256, slots, H200, out_entries=slots * (P + M))
-        assert launch.kind == "cooperative" and bool(launch.fill_grid) == split, T
+        for pol, want in ((SPLIT_ONLY, split), (d.DEFAULT_POLICY, True)):
+            launch = d.choose_launch(T * 8, slots * 256, slots, H200,
+                                     out_entries=slots * (P + M), policy=pol)
+            assert launch.kind == "cooperative" and bool(launch.fill_grid) == want, T
+            assert launch.block == (d.BLOCK if pol is d.DEFAULT_POLICY or not want
+                                    else d.FILL_SPLIT_BLOCK)
 
 
 def test_fill_blocks_where_they_apply():
@@ -285,9 +295,12 @@ def test_fill_blocks_where_they_apply():
         assert launch.kind == "cooperative" and bool(launch.fill_grid) == split
         assert launch.block == (d.FILL_SPLIT_BLOCK if split else d.BLOCK)
     below = d.DEFAULT_POLICY.coop_fill_blocks_below
-    for entries, split in ((below - 1, True), (below, False)):
+    for entries, block in ((below - 1, d.FILL_SPLIT_BLOCK), (below, d.BLOCK)):  # then fill SMs
         launch = d.choose_launch(32768 * 8, 256, 1, H200, out_entries=entries)
-        assert bool(launch.fill_grid) == split
+        assert launch.fill_grid and launch.block == block
+        launch = d.choose_launch(32768 * 8, 256, 1, H200, out_entries=entries,
+                                 policy=SPLIT_ONLY)
+        assert bool(launch.fill_grid) == (block == d.FILL_SPLIT_BLOCK)
     at = ALL_FILL_BLOCKS
     # Not where the segment sort runs (it holds a segment in a block of BLOCK threads), nor
     # in the cooperative pair, nor where two blocks' shared memory does not fit one SM
@@ -962,58 +975,3 @@ def test_tiny_staged_base_row():
     off = d.AlignPolicy(tiny_stage_from=1 << 62)
     assert d.tiny_stage_entries(d.choose_launch(2048, 256, 1, H200, out_entries=P + M,
                                                 policy=off), 2048, 256) == 0
-
-
-def test_deterministic_tiny_with_fill_blocks_names_its_routes_a_warp():
-    # LoRA, 16 slots of 256 experts: the fewest routes a lane that cover the routes, as a
-    # warp's routes in Launch.chunk; from T=128 their counters (32 warps x 4096 buckets) do
-    # not fit, and tiny_det_fewer_warps takes 2 or 4 routes a lane instead of leaving one
-    # block (the segment sort in the cooperative launch, by default).
-    fewer = d.AlignPolicy(tiny_det_fewer_warps=True)
-    for T, B, default_chunk, fewer_chunk in ((16, 16, 32, 32), (64, 16, 32, 32),
-                                             (128, 16, None, 64), (256, 16, None, 128),
-                                             (256, 64, None, 128), (384, 16, 128, 128),
-                                             (512, 16, None, None)):
-        P, M = buffer_sizes(T * 8, 256, B)
-        for policy, chunk in ((d.DEFAULT_POLICY, default_chunk), (fewer, fewer_chunk)):
-            launch = d.choose_launch(T * 8, 16 * 256, 16, H200, deterministic=True,
-                                     out_entries=16 * (P + M), policy=policy)
-            if chunk is None:
-                assert launch.kind == "cooperative" and launch.sorted, (T, policy)
-                continue
-            assert launch.tiny and launch.fill_grid and launch.chunk == chunk, (T, policy)
-            items = chunk // 32
-            assert d.smem_one_block(16 * 256, 16, d.tiny_warp_counter_bytes(
-                T * 8, launch.block, 16 * 256, items)) == launch.smem_single
-            d.check_launch(launch, T * 8, [(16 * 256, 16)], H200)
-    # Without fill blocks, and free order: no routes a warp named (the kernel's own rule)
-    assert not d.choose_launch(128, 256, 1, H200, deterministic=True, out_entries=1000).chunk
-    P, M = buffer_sizes(256 * 8, 256, 16)
-    assert not d.choose_launch(256 * 8, 16 * 256, 16, H200, out_entries=16 * (P + M),
-                               policy=fewer).chunk
-    # The fused tiny pair with fill blocks: the rule's routes a lane at the pair's block
-    P, M = buffer_sizes(64 * 8, 256, 16)
-    pair = d.choose_pair(64 * 8, 256, 16 * 256, 16, H200, deterministic=True,
-                         out_entries=16 * (P + M))
-    assert pair.tiny and pair.fill_grid and pair.chunk == 32 * d.tiny_route_items(512, pair.block)
-    d.check_launch(pair, 64 * 8, [(256, 1), (16 * 256, 16)], H200)
-
-
-def test_guard_checks_the_routes_a_warp_of_deterministic_tiny_with_fill_blocks():
-    import dataclasses
-    P, M = buffer_sizes(256 * 8, 256, 16)
-    launch = d.choose_launch(256 * 8, 16 * 256, 16, H200, deterministic=True,
-                             out_entries=16 * (P + M),
-                             policy=d.AlignPolicy(tiny_det_fewer_warps=True))
-    sides = [(16 * 256, 16)]
-    d.check_launch(launch, 256 * 8, sides, H200)
-    # none named: the kernel's rule, whose counters the launch's shared memory cannot hold
-    with pytest.raises(d.LaunchRefused, match="shared memory"):
-        d.check_launch(dataclasses.replace(launch, chunk=0), 256 * 8, sides, H200)
-    for chunk, why in ((96, "shared memory"), (256, "routes a warp")):
-        with pytest.raises(d.LaunchRefused, match=why):
-            d.check_launch(dataclasses.replace(launch, chunk=chunk), 256 * 8, sides, H200)
-    # fewer routes a warp than cover the routes
-    with pytest.raises(d.LaunchRefused, match="routes a warp"):
-        d.check_launch(dataclasses.replace(launch, block=256), 256 * 8,
-                       sides, H200)

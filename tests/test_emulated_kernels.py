@@ -506,7 +506,7 @@ def _every_kernel(emu):
 # fill block per 4096 entries here) and without, align_tiny and its pair with fill blocks
 # (blocks past the aligning ones fill; block 0 waits for their arrivals) and without; routes
 # on both sides of what the split's counting blocks hold on the emulated device (4 x 8 x 512).
-COOP_FILL = {"fill_blocks": AlignPolicy(coop_fill_blocks_from=0,
+COOP_FILL = {"fill_blocks": AlignPolicy(coop_fill_blocks_from=0, coop_fill_sms_from=1 << 62,
                                         coop_fill_blocks_below=1 << 62),
              "fill_sms": AlignPolicy(coop_fill_sms_from=0, coop_fill_sm_entries=4096,
                                      coop_fill_blocks_from=1 << 62),
@@ -611,27 +611,6 @@ def test_lora_tiny_with_and_without_fill_blocks(emu, E, T, rows, det, how):
         _run(emu, Case(T, 8, E, 16, rows=rows, seed=115 + salt, with_ids=salt != 2,
                        disabled=salt, map_mode="before" if salt == 2 else None), det, None,
              TINY_FILL[how], seeds=(salt,))
-
-
-FEWER_WARPS = AlignPolicy(tiny_det_fewer_warps=True)
-
-
-@pytest.mark.parametrize("kind", ["uniform", "skewed", "invalid"])
-@pytest.mark.parametrize("T,E,B,items", [(256, 256, 16, 4), (128, 256, 16, 2),
-                                         (255, 256, 64, 4), (129, 256, 16, 2),
-                                         (64, 256, 16, 1)])
-def test_deterministic_tiny_with_fewer_warps(emu, T, E, B, items, kind):
-    """Deterministic align_tiny_filled holding more routes a lane than the fewest that cover
-    them (``tiny_det_fewer_warps``), where the counters of those do not fit (LoRA, 16 slots
-    of 256 experts, from T=128): flat-order ranks from fewer warps' counters, with disabled
-    adapters, all slots listed or none, base-model tokens, skewed routing and invalid ids."""
-    P, M = buffer_sizes(T * 8, E, B)
-    launch = _dispatch.choose_launch(T * 8, 16 * E, 16, emulator.LIMITS, deterministic=True,
-                                     out_entries=16 * (P + M), policy=FEWER_WARPS)
-    assert launch.tiny and launch.fill_grid and launch.chunk == 32 * items
-    for salt in range(2):
-        _run(emu, Case(T, 8, E, B, rows=16, kind=kind, seed=130 + salt, disabled=1 + salt,
-                       with_ids=salt == 0), True, None, FEWER_WARPS, seeds=(salt,))
 
 
 @pytest.mark.parametrize("det", [False, True], ids=["free", "det"])

@@ -64,10 +64,9 @@ def _base_case(E, T, variant, deterministic, salt, *, expert_map_mode=None, scat
 
 
 def _lora_case(E, T, variant, deterministic, salt, *, max_loras=None, with_ids=True,
-               disabled=1, allocate=False, use_map=False, topk=None, policy=None,
-               block_size=None):
+               disabled=1, allocate=False, use_map=False, topk=None, policy=None):
     rng, K, B, dtype, kind = _case_params(E, T, salt)
-    K, B = topk or K, block_size or B
+    K = topk or K
     if max_loras is None:
         max_loras = (1, 4, 16)[(E + T + salt) % 3]
     ids = make_routing(rng, T, K, E, dtype, kind)
@@ -322,6 +321,7 @@ def test_ordered_cooperative_totals_leave_the_scratch_clean():
 # and ordered ranks, every routing kind, and routes on both sides of what the split's
 # counting blocks hold (132 x 8 x 512 on an H200).
 COOP_FILL = {"fill_blocks": mla.AlignPolicy(coop_fill_blocks_from=0,
+                                            coop_fill_sms_from=1 << 62,
                                             coop_fill_blocks_below=1 << 62),
              "fill_sms": mla.AlignPolicy(coop_fill_sms_from=0, coop_fill_sm_entries=8192,
                                          coop_fill_blocks_from=1 << 62),
@@ -363,25 +363,6 @@ def test_lora_cooperative_with_and_without_fill_blocks(E, T, rows, det, how):
     for salt in range(2):
         _lora_case(E, T, "cooperative", det, salt=95 + salt, topk=8, max_loras=rows,
                    policy=COOP_FILL[how], allocate=salt == 1, disabled=1 + salt)
-
-
-# Deterministic align_tiny_filled holding more routes a lane than the fewest that cover them
-# (tiny_det_fewer_warps), where those warps' counters do not fit: LoRA, 16 slots of 256
-# experts, from T=128; every routing kind and dtype the salts pick, slots listed or not.
-FEWER_WARPS = mla.AlignPolicy(tiny_det_fewer_warps=True)
-
-
-@pytest.mark.parametrize("salt", range(3))
-@pytest.mark.parametrize("T,B,items", [(256, 16, 4), (128, 16, 2), (255, 64, 4), (129, 16, 2),
-                                       (64, 16, 1)])
-def test_deterministic_tiny_with_fewer_warps(T, B, items, salt):
-    P, M = mla.buffer_sizes(T * 8, 256, B)
-    launch = mla._dispatch.choose_launch(T * 8, 16 * 256, 16, mla._launch.device_limits(0),
-                                         deterministic=True, out_entries=16 * (P + M),
-                                         policy=FEWER_WARPS)
-    assert launch.tiny and launch.fill_grid and launch.chunk == 32 * items
-    _lora_case(256, T, None, True, salt=130 + salt, max_loras=16, topk=8, block_size=B,
-               policy=FEWER_WARPS, allocate=salt == 2, disabled=1 + salt, with_ids=salt != 1)
 
 
 # align_tiny with fill blocks (blocks past the first write the sentinel fill and the tiles'
