@@ -324,7 +324,8 @@ COOP_FILL = {"fill_blocks": mla.AlignPolicy(coop_fill_blocks_from=0,
                                             coop_fill_sms_from=1 << 62,
                                             coop_fill_blocks_below=1 << 62),
              "fill_sms": mla.AlignPolicy(coop_fill_sms_from=0, coop_fill_sm_entries=8192,
-                                         coop_fill_blocks_from=1 << 62),
+                                         coop_fill_blocks_below=0,
+                                         coop_fill_blocks_free_below=0),
              "no_fill_blocks": mla.AlignPolicy(coop_fill_blocks_from=1 << 62)}
 
 
