@@ -67,11 +67,16 @@ def lora_inputs(rng, T, L):
     return mapping, lora_ids, np.ones(L + 1, np.int32)
 
 
+def traffic_bytes(op, T, K, E, B, L):
+    """Bytes an alignment must move: its routes (and token slots) read, every output entry
+    of its rows written (``op``: base, lora or pair)."""
+    P, M = mla.buffer_sizes(T * K, E, B)
+    rows = 1 if op == "base" else L if op == "lora" else L + 1
+    return T * K * 4 + (T * 4 if op != "base" else 0) + rows * (P + M + 1) * 4
+
+
 def floor_us(op, T, K, E, B, L, launches):
-    numel = T * K
-    P, M = mla.buffer_sizes(numel, E, B)
-    rows = {"base": 1, "lora": L, "pair": L + 1}[op]
-    moved = numel * 4 + (T * 4 if op != "base" else 0) + rows * (P + M + 1) * 4
+    moved = traffic_bytes(op, T, K, E, B, L)
     return max(launches * LAUNCH_FLOOR_US, moved / BANDWIDTH * 1e6)
 
 

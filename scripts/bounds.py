@@ -36,9 +36,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from moe_lora_align import _kernels  # noqa: E402
-from moe_lora_align._sizes import buffer_sizes  # noqa: E402
 from moe_lora_align.bench import (DETERMINISTIC_OVER_DEFAULT, cases_matching,  # noqa: E402
                                   graph_target)
+from moe_lora_align.bench import traffic_bytes as bench_traffic_bytes  # noqa: E402
 
 CASES = [  # op ("... det": deterministic=True), T, E, K, B, L, as stage_probe.make_call takes
     ("base", 1, 64, 8, 16, None), ("base", 16, 256, 8, 16, None),
@@ -71,12 +71,9 @@ def empty_build(tmp: Path) -> _kernels.KernelBuild:
 
 
 def traffic_bytes(case) -> int:
-    """Bytes a call must move: its routes and token slots read, every output entry written."""
+    """Bytes a case's call must move (``bench.traffic_bytes``)."""
     op, T, E, K, B, L = case
-    op = op.split()[0]
-    P, M = buffer_sizes(T * K, E, B)
-    rows = 1 if op == "base" else L
-    return 4 * T * K + (4 * T if op != "base" else 0) + 4 * rows * (P + M + 1)
+    return bench_traffic_bytes(op.split()[0], T, K, E, B, L)
 
 
 def target_of(case, graph: dict) -> float | None:
