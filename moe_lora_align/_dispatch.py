@@ -29,6 +29,7 @@ CLUSTER_ITEMS = 8             # CLUSTER_ITEMS: align_cluster's routes a thread, 
 ORDER_ITEMS = 4               # ORDER_ITEMS: entries a lane holds in the segment sort's warps
 ORDER_WARP_MAX = 32 * ORDER_ITEMS  # segments up to this long are sorted by a warp
 ORDER_DIGITS_MAX = 4096       # ORDER_DIGITS_MAX: segment entries a block sorts by digits
+SORTED_RANKS_MAX_ROUTES = 1 << 12  # SortedRanks::ROUTE_BITS: align_tiny_sorted's routes, at most
 SINGLE_BLOCK_MAX_ROUTES = BLOCK * ITEMS_PER_THREAD
 WARP_COUNTER_MAX = 65535      # unsigned short per-warp counters bound a deterministic chunk
 SMEM_SLACK = 512              # bytes of a block's shared memory kept for the kernels' static
@@ -102,6 +103,11 @@ class AlignPolicy:
     # below the second figure of routes (deterministic: the third) and of fewer output
     # entries than the fourth.
     tiny_stage_from: int = 1024
+    # Deterministic align_tiny (past one warp's routes) from this many buckets ranks through
+    # a stable sort by bucket digits (align_tiny_sorted) instead of a counter a bucket a warp,
+    # and wherever those counters do not fit (LoRA with many slots: 4096 buckets and 32
+    # warps need 256 KB).
+    tiny_sort_ranks_from: int = 2048
     cluster_over_staged_from: int = 4097
     cluster_over_staged_from_deterministic: int = 2304
     cluster_over_staged_entries: int = 16384
@@ -168,6 +174,8 @@ class Launch:
     order_grid: int = 0       # > 0: then align_order, this many blocks, sorts every segment
                               #   (deterministic output from the free-order count + place)
     smem_order: int = 0       # dynamic shared bytes of align_order (the sort's scratch)
+    sort_ranks: bool = False  # single, tiny, deterministic: flat-order ranks from a sort by
+                              #   bucket digits (align_tiny_sorted), not per-warp counters
 
     @property
     def mode(self) -> int:
@@ -318,6 +326,26 @@ def tiny_warp_counter_bytes(numel: int, block: int, num_buckets: int) -> int:
     return 2 * _ceil_div(numel, 32 * items) * (num_buckets + (num_buckets & 1))
 
 
+def tiny_sort_bytes(numel: int, num_buckets: int) -> int:
+    """align_tiny_sorted's shared memory past the counts (kernels/one_block.cuh: SortedRanks):
+    the unpadded starts, two passes of a counter a low digit (half the bucket bits, rounded
+    up, and two) for each of 32 warps, and the routes ordered by the low digit."""
+    bits = max(0, (num_buckets - 1).bit_length())
+    stride = (1 << ((bits + 1) // 2)) + 2
+    return 4 * num_buckets + 2 * 2 * 32 * stride + 4 * numel
+
+
+def tiny_sorts_ranks(numel: int, num_buckets: int, rows: int, block: int,
+                     limits: DeviceLimits, policy: AlignPolicy = DEFAULT_POLICY) -> bool:
+    """Deterministic align_tiny ranks through the digit sort (align_tiny_sorted): past one
+    warp's routes, from ``policy.tiny_sort_ranks_from`` buckets or where a counter a bucket
+    a warp does not fit."""
+    counters = smem_one_block(num_buckets, rows,
+                              tiny_warp_counter_bytes(numel, block, num_buckets))
+    return numel > WARP_ROUTES and (num_buckets >= policy.tiny_sort_ranks_from
+                                    or counters > limits.dynamic_smem)
+
+
 def tiny_fill_blocks(numel: int, out_entries: int, rows: int, limits: DeviceLimits,
                      policy: AlignPolicy = DEFAULT_POLICY, aligning: int = 1) -> int:
     """Fill blocks of an align_tiny launch of ``rows`` rows (or of the LoRA side of the fused
@@ -333,7 +361,10 @@ def tiny_fill_blocks(numel: int, out_entries: int, rows: int, limits: DeviceLimi
 
 
 def _single_block(numel, num_buckets, rows, deterministic, limits, out_entries=0,
-                  use_tiny=True, policy: AlignPolicy = DEFAULT_POLICY, fill_blocks=True):
+                  use_tiny=True, policy: AlignPolicy = DEFAULT_POLICY, fill_blocks=True,
+                  sort_ranks=True):
+    """``sort_ranks``: a deterministic align_tiny may rank through the digit sort (not in
+    the fused pair kernels, which keep per-warp counters)."""
     if numel > SINGLE_BLOCK_MAX_ROUTES:
         return None
     base = smem_one_block(num_buckets, rows)
@@ -341,6 +372,12 @@ def _single_block(numel, num_buckets, rows, deterministic, limits, out_entries=0
     fill = tiny_fill_blocks(numel, out_entries, rows, limits, policy) if fill_blocks else 0
     tiny = (tiny_block_threads(numel, 0 if fill else out_entries, num_buckets, policy)
             if policy.use_tiny and use_tiny else None)
+    if tiny is not None and deterministic and sort_ranks and tiny_sorts_ranks(
+            numel, num_buckets, rows, tiny, limits, policy):
+        smem = base + tiny_sort_bytes(numel, num_buckets)
+        if smem <= limits.dynamic_smem:
+            return Launch("shared", "single", True, tiny, grid=1 + fill, smem_single=smem,
+                          tiny=True, fill_grid=fill, sort_ranks=True)
     if tiny is not None:
         smem = base + (tiny_warp_counter_bytes(numel, tiny, num_buckets) if deterministic else 0)
         # the staged base row (a bound: out_entries holds the row and its tiles; 0, unknown)
@@ -795,9 +832,11 @@ def choose_pair(numel: int, base_buckets: int, lora_buckets: int, rows: int,
     if cooperative_wins(fill > 0):
         return None
     base = _single_block(numel, base_buckets, 1, deterministic, limits,
-                         out_entries // max(rows, 1), policy=policy, fill_blocks=False)
+                         out_entries // max(rows, 1), policy=policy, fill_blocks=False,
+                         sort_ranks=False)
     lora = _single_block(numel, lora_buckets, rows, deterministic, limits,
-                         0 if fill else out_entries, policy=policy, fill_blocks=False)
+                         0 if fill else out_entries, policy=policy, fill_blocks=False,
+                         sort_ranks=False)
     if base is None or lora is None:
         return None
     if base.tiny and lora.tiny:
@@ -835,6 +874,8 @@ class LaunchRefused(ValueError):
 def _one_block_counters(launch: Launch, numel: int, num_buckets: int) -> int:
     if not launch.deterministic:
         return 0
+    if launch.tiny and launch.sort_ranks:
+        return tiny_sort_bytes(numel, num_buckets)
     if launch.tiny:
         return tiny_warp_counter_bytes(numel, launch.block, num_buckets)
     return 2 * (launch.block // 32) * _even(num_buckets)
@@ -852,7 +893,9 @@ def launch_kernels(launch, fused: bool = False) -> list:
     if launch.kind == "single":
         name = ("tiny" if launch.tiny else "single") if not fused else (
             "tiny_pair" if launch.tiny else "pair")
-        if launch.tiny and launch.fill_grid:
+        if launch.tiny and launch.sort_ranks and not fused:
+            name += "_sorted"  # deterministic ranks from a digit sort; may have fill blocks
+        elif launch.tiny and launch.fill_grid:
             name += "_filled"  # a kernel apart; align_tiny and align_tiny_pair have none
         elif launch.tiny and launch.stage_output and not fused:
             name += "_staged"  # the base row built in shared memory: a kernel apart
@@ -901,7 +944,8 @@ def _layout_bytes(kind: str, launch, numel: int, sides) -> int:
 
 # Kernel keys of align_tiny and its pair (``_kernels.kernel_names``); the ``_filled`` ones
 # are the instances whose launches have fill blocks.
-TINY_KERNELS = ("tiny", "tiny_pair", "tiny_filled", "tiny_pair_filled", "tiny_staged")
+TINY_KERNELS = ("tiny", "tiny_pair", "tiny_filled", "tiny_pair_filled", "tiny_staged",
+                "tiny_sorted")
 
 
 def kernel_demands(launch, numel: int, sides) -> list:
@@ -939,6 +983,11 @@ def check_launch(launch, numel: int, sides, limits: DeviceLimits) -> None:
                    "blocks")
         elif kernel in TINY_KERNELS and launch.fill_grid and grid > limits.sm_count:
             why = f"{grid} blocks cannot all be resident on {limits.sm_count} SMs"
+        elif kernel == "tiny_sorted" and numel > SORTED_RANKS_MAX_ROUTES:
+            why = (f"{numel} routes, more than the {SORTED_RANKS_MAX_ROUTES} its sort packs "
+                   "beside a bucket")
+        elif kernel == "tiny_sorted" and not launch.deterministic:
+            why = "a free-order call (its ranks are the deterministic ones)"
         elif kernel == "cooperative" and launch.chunk > COOP_ITEMS * block:
             why = f"chunks of {launch.chunk} routes, more than {COOP_ITEMS} a thread of {block}"
         elif kernel == "cooperative" and launch.sorted and block != BLOCK:

@@ -459,6 +459,9 @@ def test_racecheck_names_a_missing_barrier(tmp_path):
         emulator.run(broken, Case(16, 8, 256, 16).job(True), seed=0)
 
 
+# align_tiny_sorted (deterministic ranks by a digit sort) wherever align_tiny runs.
+SORTED_TINY_RANKS = AlignPolicy(tiny_sort_ranks_from=0)
+
 # Tokens of K=8 routes from which the default policy runs the cluster (its pair included).
 CLUSTER_T = -(-_dispatch.DEFAULT_POLICY.cluster_min_routes // 8)
 
@@ -475,7 +478,8 @@ def _every_kernel(emu):
                                         (1024, 64, None, "global", ORDERED),
                                         (1024, 64, None, "shared", SORTED),
                                         (40, 64, 4, None, TINY_FILL["tiny_fill_blocks"]),
-                                        (40, 64, 4, None, TINY_FILL["no_tiny_fill_blocks"])]:
+                                        (40, 64, 4, None, TINY_FILL["no_tiny_fill_blocks"]),
+                                        (40, 64, 4, None, SORTED_TINY_RANKS)]:
         for det in (False, True):
             if not _refused(variant, det, T * 8, E, 1, policy):
                 _run(emu, Case(T, 8, E, 16, rows=rows, seed=T), det, variant, policy,
@@ -678,3 +682,58 @@ def test_the_twice_probe_runs_align_tiny_twice_and_keeps_both_passes(tmp_path):
             first, second = probe[0, 0, :, 1], probe[1, 0, :, 1]
             assert (first[:5] > 0).all() and (second[:5] > 0).all()
             assert second[0] > first[4]  # pass 2 entered after pass 1's stores
+
+
+# Deterministic align_tiny's two ways to flat-order ranks: the digit sort
+# (align_tiny_sorted) and per-warp counters a bucket (align_tiny, align_tiny_filled).
+TINY_RANKS = {
+    how: {fill: AlignPolicy(tiny_sort_ranks_from=0 if how == "digit_sort" else 1 << 62,
+                            tiny_fill_blocks_from=0 if fill else 1 << 62,
+                            tiny_fill_blocks_one_row_from=0 if fill else 1 << 62,
+                            coop_over_single_entries=BIG_SINGLE,
+                            coop_over_filled_single_entries=BIG_SINGLE,
+                            cluster_min_routes=1 << 30)
+          for fill in (True, False)}
+    for how in ("digit_sort", "warp_counters")}
+
+
+def _tiny_ranks_launch(numel, buckets, rows, policy, how):
+    launch = _dispatch.choose_launch(numel, buckets, rows, emulator.LIMITS, deterministic=True,
+                                     out_entries=numel, policy=policy)
+    assert launch.kind == "single" and launch.tiny
+    # the digit sort past one warp's routes; counters wherever they fit
+    assert launch.sort_ranks == (numel > 32 and (how == "digit_sort" or not _dispatch.smem_one_block(
+        buckets, rows, _dispatch.tiny_warp_counter_bytes(numel, launch.block, buckets))
+        <= emulator.LIMITS.dynamic_smem))
+    return launch
+
+
+@pytest.mark.parametrize("how", list(TINY_RANKS))
+@pytest.mark.parametrize("fill", [True, False], ids=["fill_blocks", "no_fill_blocks"])
+@pytest.mark.parametrize("E,T,K,kind", [(64, 33, 1, "uniform"), (1024, 16, 8, "skewed"),
+                                        (257, 255, 8, "uniform"), (7, 512, 8, "skewed"),
+                                        (2, 100, 8, "uniform"), (1, 40, 8, "invalid"),
+                                        (1000, 300, 8, "hot")])
+def test_base_tiny_ranks_by_digit_sort_and_by_counters(emu, E, T, K, kind, fill, how):
+    policy = TINY_RANKS[how][fill]
+    _tiny_ranks_launch(T * K, E, 1, policy, how)
+    for salt in range(2):
+        _run(emu, Case(T, K, E, 16, seed=130 + salt, kind=kind,
+                       map_mode=(None, "after")[salt], scatter=salt == 1), True, None, policy,
+             seeds=(salt,))
+
+
+@pytest.mark.parametrize("how", list(TINY_RANKS))
+@pytest.mark.parametrize("fill", [True, False], ids=["fill_blocks", "no_fill_blocks"])
+@pytest.mark.parametrize("E,T,rows,kind", [(256, 255, 16, "uniform"), (256, 512, 16, "skewed"),
+                                           (64, 16, 16, "uniform"), (7, 100, 33, "skewed"),
+                                           (256, 5, 16, "invalid"), (128, 2, 16, "uniform"),
+                                           (256, 130, 16, "hot")])
+def test_lora_tiny_ranks_by_digit_sort_and_by_counters(emu, E, T, rows, kind, fill, how):
+    policy = TINY_RANKS[how][fill]
+    _tiny_ranks_launch(T * 8, rows * E, rows, policy, how)
+    for salt in range(3):
+        _run(emu, Case(T, 8, E, 16, rows=rows, seed=135 + salt, kind=kind,
+                       with_ids=salt != 2, disabled=salt,
+                       map_mode="before" if salt == 2 else None), True, None, policy,
+             seeds=(salt,))
