@@ -148,13 +148,14 @@ struct ShareScan {
 // into by_low; the second takes by_low in that order by the high digit, which leaves each
 // bucket's routes together in flat order. A route's rank is then its place less its
 // bucket's unpadded start (raw).
-// Shared memory after the counts: raw[nb] int | counters[2][32][stride] ushort (stride: the
-// low digit's values and two, so that the scan's lanes take different banks) |
-// by_low[numel] int, each entry (bucket << ROUTE_BITS) | route.
+// Shared memory after the counts: raw[nb] int | sums[2][32] int (warp totals of the scans) |
+// counters[2][32][stride] ushort (stride: the low digit's values and two, so that the scan's
+// lanes take different banks) | by_low[numel] int, each entry (bucket << ROUTE_BITS) | route.
 struct SortedRanks {
   static constexpr int ROUTE_BITS = 12;  // routes of one block: TINY_ITEMS * 1024 at most
   static constexpr int ROUTE_MASK = (1 << ROUTE_BITS) - 1;
   int* raw;
+  int* sums;  // [2][32]
   unsigned short* counters;
   int* by_low;
   int low_bits, high_bits, stride;
@@ -165,7 +166,8 @@ struct SortedRanks {
     high_bits = bits - low_bits;
     stride = (1 << low_bits) + 2;
     raw = after_counts;
-    counters = reinterpret_cast<unsigned short*>(raw + nb);
+    sums = raw + nb;
+    counters = reinterpret_cast<unsigned short*>(sums + 2 * 32);
     by_low = reinterpret_cast<int*>(counters + 2 * 32 * stride);
   }
   __device__ __forceinline__ unsigned short* pass(int k) const {
@@ -228,8 +230,7 @@ __device__ __forceinline__ void sort_by_bucket_digits(const SortedRanks& s,
                                                       int (&rank)[TINY_ITEMS],
                                                       const int (&bucket)[TINY_ITEMS],
                                                       RouteIndex route_index, int items,
-                                                      int routes, int* sums,
-                                                      int (&by_bucket)[TINY_ITEMS]) {
+                                                      int routes, int (&by_bucket)[TINY_ITEMS]) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 #pragma unroll
   for (int j = 0; j < TINY_ITEMS; ++j)
@@ -247,9 +248,9 @@ __device__ __forceinline__ void sort_by_bucket_digits(const SortedRanks& s,
   }
   __syncthreads();
   const ShareScan high = s.share(1, tid, blockDim.x);
-  if (lane == 31) sums[warp] = high.inclusive;
+  if (lane == 31) s.sums[32 + warp] = high.inclusive;  // the first pass's: read long before
   __syncthreads();
-  s.write_share(1, high, share_start(sums, high.inclusive, high.sum));
+  s.write_share(1, high, share_start(s.sums + 32, high.inclusive, high.sum));
   __syncthreads();
 }
 
@@ -370,15 +371,14 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
   const int x = warp_inclusive_sum(sum);
   if (lane == 31) warp_sums[warp] = x;
   // SORTED: the unpadded starts and the first pass's digit scan share the scan's barriers.
-  __shared__ int sorted_sums[2][32];
   int x_count = 0;
   ShareScan low;
   if (SORTED) {
     x_count = warp_inclusive_sum(count_sum);
     low = sorted.share(0, tid, bd);
     if (lane == 31) {
-      sorted_sums[0][warp] = x_count;
-      sorted_sums[1][warp] = low.inclusive;
+      sorted.sums[warp] = x_count;
+      sorted.sums[32 + warp] = low.inclusive;
     }
   }
   __syncthreads();
@@ -395,13 +395,13 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
   if (tid == 0) starts[nb] = total;
   int routes = 0;  // SORTED: the routes that have a bucket
   if (SORTED) {
-    int run = share_start(sorted_sums[0], x_count, count_sum, &routes);
+    int run = share_start(sorted.sums, x_count, count_sum, &routes);
 #pragma unroll
     for (int q = 0; q < PER; ++q) {
       if (first + q < nb) sorted.raw[first + q] = run;
       run += count[q];
     }
-    sorted.write_share(0, low, share_start(sorted_sums[1], low.inclusive, low.sum));
+    sorted.write_share(0, low, share_start(sorted.sums + 32, low.inclusive, low.sum));
   }
   if (!fills && tid == 0) {
     MLA_STAMP(0, 6);  // scanned: block 0 starts to wait for the fill blocks
@@ -417,8 +417,7 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
   if (SORTED) {
     // Each route's place in bucket order, less its bucket's unpadded start: its flat rank.
     int by_bucket[TINY_ITEMS];
-    sort_by_bucket_digits(sorted, rank, bucket, route_index, items, routes, sorted_sums[1],
-                          by_bucket);
+    sort_by_bucket_digits(sorted, rank, bucket, route_index, items, routes, by_bucket);
     MLA_STAMP(0, 7);
 #pragma unroll
     for (int j = 0; j < TINY_ITEMS; ++j) {

@@ -104,9 +104,9 @@ class AlignPolicy:
     # entries than the fourth.
     tiny_stage_from: int = 1024
     # Deterministic align_tiny (past one warp's routes) from this many buckets ranks through
-    # a stable sort by bucket digits (align_tiny_sorted) instead of a counter a bucket a warp,
-    # and wherever those counters do not fit (LoRA with many slots: 4096 buckets and 32
-    # warps need 256 KB).
+    # a stable sort by bucket digits (align_tiny_sorted) instead of a counter a bucket a
+    # warp. Those counters fit only to about 3400 buckets (LoRA with 16 slots of 256
+    # experts went to the cooperative launch); kept at or below that.
     tiny_sort_ranks_from: int = 2048
     cluster_over_staged_from: int = 4097
     cluster_over_staged_from_deterministic: int = 2304
@@ -328,22 +328,18 @@ def tiny_warp_counter_bytes(numel: int, block: int, num_buckets: int) -> int:
 
 def tiny_sort_bytes(numel: int, num_buckets: int) -> int:
     """align_tiny_sorted's shared memory past the counts (kernels/one_block.cuh: SortedRanks):
-    the unpadded starts, two passes of a counter a low digit (half the bucket bits, rounded
-    up, and two) for each of 32 warps, and the routes ordered by the low digit."""
+    the unpadded starts, the scans' warp totals, two passes of a counter a low digit (half
+    the bucket bits, rounded up, and two) for each of 32 warps, and the routes ordered by the
+    low digit."""
     bits = max(0, (num_buckets - 1).bit_length())
     stride = (1 << ((bits + 1) // 2)) + 2
-    return 4 * num_buckets + 2 * 2 * 32 * stride + 4 * numel
+    return 4 * num_buckets + 4 * 2 * 32 + 2 * 2 * 32 * stride + 4 * numel
 
 
-def tiny_sorts_ranks(numel: int, num_buckets: int, rows: int, block: int,
-                     limits: DeviceLimits, policy: AlignPolicy = DEFAULT_POLICY) -> bool:
-    """Deterministic align_tiny ranks through the digit sort (align_tiny_sorted): past one
-    warp's routes, from ``policy.tiny_sort_ranks_from`` buckets or where a counter a bucket
-    a warp does not fit."""
-    counters = smem_one_block(num_buckets, rows,
-                              tiny_warp_counter_bytes(numel, block, num_buckets))
-    return numel > WARP_ROUTES and (num_buckets >= policy.tiny_sort_ranks_from
-                                    or counters > limits.dynamic_smem)
+def tiny_sorts_ranks(numel: int, num_buckets: int, policy: AlignPolicy = DEFAULT_POLICY) -> bool:
+    """Deterministic align_tiny ranks through the digit sort (align_tiny_sorted) past one
+    warp's routes from ``policy.tiny_sort_ranks_from`` buckets."""
+    return numel > WARP_ROUTES and num_buckets >= policy.tiny_sort_ranks_from
 
 
 def tiny_fill_blocks(numel: int, out_entries: int, rows: int, limits: DeviceLimits,
@@ -373,7 +369,7 @@ def _single_block(numel, num_buckets, rows, deterministic, limits, out_entries=0
     tiny = (tiny_block_threads(numel, 0 if fill else out_entries, num_buckets, policy)
             if policy.use_tiny and use_tiny else None)
     if tiny is not None and deterministic and sort_ranks and tiny_sorts_ranks(
-            numel, num_buckets, rows, tiny, limits, policy):
+            numel, num_buckets, policy):
         smem = base + tiny_sort_bytes(numel, num_buckets)
         if smem <= limits.dynamic_smem:
             return Launch("shared", "single", True, tiny, grid=1 + fill, smem_single=smem,
