@@ -632,8 +632,8 @@ __global__ void __launch_bounds__(1024, 1) align_tiny_staged(const Problem p) {
 
 // Deterministic align_tiny whose ranks come from a stable sort by bucket digits
 // (SortedRanks) instead of per-warp counters a bucket: many buckets (LoRA with many slots).
-// Blocks past the first are fill blocks, as in align_tiny_filled (p.fill_blocks of them;
-// the launch is then cooperative).
+// Blocks past the first are fill blocks where the launch has them (p.fill_blocks; the
+// launch is then cooperative), as align_tiny_filled's are.
 template <typename IdT>
 __global__ void __launch_bounds__(1024, 1) align_tiny_sorted(const Problem p) {
   if (blockIdx.x > 0) fill_and_arrive(p, blockIdx.x - 1, true, p.ticket);

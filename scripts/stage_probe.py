@@ -87,7 +87,8 @@ CASES = [  # op ("... det": deterministic=True), T, E, K, B, L
     ("base", 64, 256, 8, 16, None), ("lora", 16, 256, 8, 16, 16),
     ("lora det", 256, 256, 8, 16, 16),
 ]
-STAGES = {0: ["entry", "rows+fill", "claim", "scan", "stores", "end", "wait from"],
+STAGES = {0: ["entry", "rows+fill", "claim", "scan", "stores", "end", "wait from",
+              "digit sort"],
           1: ["entry", "rows", "claim", "flush", "ticket", "scan", "end", "det prefix"],
           2: ["entry", "expert_ids", "claim", "base", "scan", "staged", "end"],
           3: ["entry", "rows+fill", "claim", "staged", "barrier", "scan+adj", "end",
