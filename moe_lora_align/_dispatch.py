@@ -103,11 +103,17 @@ class AlignPolicy:
     # below the second figure of routes (deterministic: the third) and of fewer output
     # entries than the fourth.
     tiny_stage_from: int = 1024
-    # Deterministic align_tiny (past one warp's routes) from this many buckets ranks through
-    # a stable sort by bucket digits (align_tiny_sorted) instead of a counter a bucket a
-    # warp. Those counters fit only to about 3400 buckets (LoRA with 16 slots of 256
-    # experts went to the cooperative launch); kept at or below that.
-    tiny_sort_ranks_from: int = 2048
+    # Deterministic align_tiny from this many buckets, and of the second to the third figure
+    # of routes, ranks through a stable sort by bucket digits (align_tiny_sorted) instead of
+    # a counter a bucket a warp. Those counters fit 4096 buckets only up to 16 warps of
+    # routes (the cooperative launch took more), and cost most there; fewer routes keep
+    # them, and more go to the cooperative launch (r48, H100, LoRA E=256 16 slots: T=16
+    # counters 6.98 against the sort's 8.09 us, T=64 10.64 against 8.80, T=128 and T=256 the
+    # cooperative launch 14.02 and 14.40 against 10.28 and 13.03, T=512 14.63 against 18.47;
+    # 8 slots, 2048 buckets, counters won: T=256 10.66 against 11.29).
+    tiny_sort_ranks_from: int = 4096
+    tiny_sort_ranks_min_routes: int = 320
+    tiny_sort_ranks_max_routes: int = 2048
     cluster_over_staged_from: int = 4097
     cluster_over_staged_from_deterministic: int = 2304
     cluster_over_staged_entries: int = 16384
@@ -337,9 +343,11 @@ def tiny_sort_bytes(numel: int, num_buckets: int) -> int:
 
 
 def tiny_sorts_ranks(numel: int, num_buckets: int, policy: AlignPolicy = DEFAULT_POLICY) -> bool:
-    """Deterministic align_tiny ranks through the digit sort (align_tiny_sorted) past one
-    warp's routes from ``policy.tiny_sort_ranks_from`` buckets."""
-    return numel > WARP_ROUTES and num_buckets >= policy.tiny_sort_ranks_from
+    """Deterministic align_tiny ranks through the digit sort (align_tiny_sorted): from
+    ``policy.tiny_sort_ranks_from`` buckets, for the policy's range of routes (past one
+    warp's, which rank in lane order on one warp)."""
+    return (num_buckets >= policy.tiny_sort_ranks_from and numel > WARP_ROUTES
+            and policy.tiny_sort_ranks_min_routes <= numel <= policy.tiny_sort_ranks_max_routes)
 
 
 def tiny_fill_blocks(numel: int, out_entries: int, rows: int, limits: DeviceLimits,

@@ -987,19 +987,21 @@ def test_tiny_staged_base_row():
 
 
 # ---- deterministic align_tiny's digit sort (align_tiny_sorted) ------------------------------
-def test_tiny_sorted_ranks_from_its_bucket_cut_past_one_warp():
-    cut = d.DEFAULT_POLICY.tiny_sort_ranks_from
-    for buckets, routes, want in [(cut, 33, True), (cut - 1, 33, False), (cut, 32, False),
-                                  (4096, 4096, True)]:
+def test_tiny_sorted_ranks_from_its_bucket_cut_for_its_routes():
+    pol = dataclasses.replace(d.DEFAULT_POLICY, cluster_min_routes=1 << 30)
+    cut, lo, hi = pol.tiny_sort_ranks_from, pol.tiny_sort_ranks_min_routes, pol.tiny_sort_ranks_max_routes
+    assert d.WARP_ROUTES < lo <= hi <= d.SINGLE_BLOCK_MAX_ROUTES
+    for buckets, routes, want in [(cut, lo, True), (cut, hi, True), (cut - 1, lo, False),
+                                  (cut, lo - 1, False), (cut, hi + 1, False)]:
         rows = -(-buckets // 256)
-        launch = d.choose_launch(routes, buckets, rows, NO_COOP, deterministic=True,
-                                 policy=dataclasses.replace(d.DEFAULT_POLICY,
-                                                            cluster_min_routes=1 << 30))
-        assert launch.kind == "single" and launch.tiny
-        assert launch.sort_ranks == want, (buckets, routes)
-        assert not d.choose_launch(routes, buckets, rows, NO_COOP).sort_ranks  # free order
+        launch = d.choose_launch(routes, buckets, rows, NO_COOP, deterministic=True, policy=pol)
+        assert launch.kind == "single" and launch.sort_ranks == want, (buckets, routes)
+        assert not d.choose_launch(routes, buckets, rows, NO_COOP, policy=pol).sort_ranks
+    # past its routes as before: counters where they fit, else align_single's fewer warps
+    # or the cooperative launch
+    assert not d.choose_launch(hi + 1, cut, 16, H200, deterministic=True).sort_ranks
     # the fused pair kernels keep per-warp counters
-    pair = d.choose_pair(64, 256, 16 * 256, 16, H200, deterministic=True)
+    pair = d.choose_pair(lo, 256, 16 * 256, 16, H200, deterministic=True)
     assert pair is None or not pair.sort_ranks
 
 
@@ -1015,6 +1017,8 @@ def test_tiny_sorted_layout(numel, buckets):
     rows = -(-buckets // 256) if buckets > 1024 else 1
     launch = d.choose_launch(numel, buckets, rows, NO_COOP, deterministic=True,
                              policy=dataclasses.replace(d.DEFAULT_POLICY, tiny_sort_ranks_from=0,
+                                                        tiny_sort_ranks_min_routes=0,
+                                                        tiny_sort_ranks_max_routes=1 << 62,
                                                         cluster_min_routes=1 << 30))
     assert launch.sort_ranks
     assert launch.smem_single == d.smem_one_block(buckets, rows) + d.tiny_sort_bytes(numel, buckets)
@@ -1024,7 +1028,8 @@ def test_tiny_sorted_layout(numel, buckets):
 
 
 def test_tiny_sorted_refuses_what_its_sort_cannot_pack():
-    launch = d.choose_launch(4096, 4096, 16, NO_COOP, deterministic=True)
+    every = dataclasses.replace(d.DEFAULT_POLICY, tiny_sort_ranks_max_routes=1 << 62)
+    launch = d.choose_launch(4096, 4096, 16, NO_COOP, deterministic=True, policy=every)
     assert launch.sort_ranks
     roomy = dataclasses.replace(launch, smem_single=launch.smem_single + 64)
     with pytest.raises(d.LaunchRefused, match="more than the 4096"):

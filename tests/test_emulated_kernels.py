@@ -460,7 +460,8 @@ def test_racecheck_names_a_missing_barrier(tmp_path):
 
 
 # align_tiny_sorted (deterministic ranks by a digit sort) wherever align_tiny runs.
-SORTED_TINY_RANKS = AlignPolicy(tiny_sort_ranks_from=0)
+SORTED_TINY_RANKS = AlignPolicy(tiny_sort_ranks_from=0, tiny_sort_ranks_min_routes=0,
+                                tiny_sort_ranks_max_routes=1 << 62)
 
 # Tokens of K=8 routes from which the default policy runs the cluster (its pair included).
 CLUSTER_T = -(-_dispatch.DEFAULT_POLICY.cluster_min_routes // 8)
@@ -688,6 +689,7 @@ def test_the_twice_probe_runs_align_tiny_twice_and_keeps_both_passes(tmp_path):
 # (align_tiny_sorted) and per-warp counters a bucket (align_tiny, align_tiny_filled).
 TINY_RANKS = {
     how: {fill: AlignPolicy(tiny_sort_ranks_from=0 if how == "digit_sort" else 1 << 62,
+                    tiny_sort_ranks_min_routes=0, tiny_sort_ranks_max_routes=1 << 62,
                             tiny_fill_blocks_from=0 if fill else 1 << 62,
                             tiny_fill_blocks_one_row_from=0 if fill else 1 << 62,
                             coop_over_single_entries=BIG_SINGLE,

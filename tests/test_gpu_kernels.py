@@ -459,6 +459,7 @@ def test_lora_tiny_with_and_without_fill_blocks(E, T, rows, det, how):
 # (skewed, hot, invalid, duplicates) comes up; listed, disabled and unprocessed rows.
 TINY_RANKS = {
     how: {fill: mla.AlignPolicy(tiny_sort_ranks_from=0 if how == "digit_sort" else 1 << 62,
+                        tiny_sort_ranks_min_routes=0, tiny_sort_ranks_max_routes=1 << 62,
                                 tiny_fill_blocks_from=0 if fill else 1 << 62,
                                 tiny_fill_blocks_one_row_from=0 if fill else 1 << 62,
                                 coop_over_single_entries=BIG_SINGLE,
