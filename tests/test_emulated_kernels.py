@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import emulator
+from gpu_util import TINY_RANKS, tiny_ranks_policy
 from moe_lora_align import AlignPolicy, _call, _dispatch, _kernels
 from moe_lora_align._sizes import buffer_sizes
 from moe_lora_align.testing import (GUARD, POISON, canonical, guarded, make_lora,
@@ -685,29 +686,7 @@ def test_the_twice_probe_runs_align_tiny_twice_and_keeps_both_passes(tmp_path):
             assert second[0] > first[4]  # pass 2 entered after pass 1's stores
 
 
-# Deterministic align_tiny's two ways to flat-order ranks: the digit sort
-# (align_tiny_sorted) and per-warp counters a bucket (align_tiny, align_tiny_filled).
-TINY_RANKS = {
-    how: {fill: AlignPolicy(tiny_sort_ranks_from=0 if how == "digit_sort" else 1 << 62,
-                    tiny_sort_ranks_min_routes=0, tiny_sort_ranks_max_routes=1 << 62,
-                            tiny_fill_blocks_from=0 if fill else 1 << 62,
-                            tiny_fill_blocks_one_row_from=0 if fill else 1 << 62,
-                            coop_over_single_entries=BIG_SINGLE,
-                            coop_over_filled_single_entries=BIG_SINGLE,
-                            cluster_min_routes=1 << 30)
-          for fill in (True, False)}
-    for how in ("digit_sort", "warp_counters")}
-
-
-def _tiny_ranks_launch(numel, buckets, rows, policy, how):
-    launch = _dispatch.choose_launch(numel, buckets, rows, emulator.LIMITS, deterministic=True,
-                                     out_entries=numel, policy=policy)
-    if how == "warp_counters" and not launch.tiny:
-        pytest.skip(f"a counter a bucket a warp does not fit {buckets} buckets")
-    assert launch.kind == "single" and launch.tiny
-    assert launch.sort_ranks == (how == "digit_sort" and numel > 32)  # one warp: lane order
-
-
+# Deterministic align_tiny's two ways to flat-order ranks (gpu_util.TINY_RANKS).
 @pytest.mark.parametrize("how", list(TINY_RANKS))
 @pytest.mark.parametrize("fill", [True, False], ids=["fill_blocks", "no_fill_blocks"])
 @pytest.mark.parametrize("E,T,K,kind", [(64, 33, 1, "uniform"), (1024, 16, 8, "skewed"),
@@ -715,8 +694,7 @@ def _tiny_ranks_launch(numel, buckets, rows, policy, how):
                                         (2, 100, 8, "uniform"), (1, 40, 8, "invalid"),
                                         (1000, 300, 8, "hot")])
 def test_base_tiny_ranks_by_digit_sort_and_by_counters(emu, E, T, K, kind, fill, how):
-    policy = TINY_RANKS[how][fill]
-    _tiny_ranks_launch(T * K, E, 1, policy, how)
+    policy = tiny_ranks_policy(T * K, E, 1, how, fill, emulator.LIMITS)
     for salt in range(2):
         _run(emu, Case(T, K, E, 16, seed=130 + salt, kind=kind,
                        map_mode=(None, "after")[salt], scatter=salt == 1), True, None, policy,
@@ -730,8 +708,7 @@ def test_base_tiny_ranks_by_digit_sort_and_by_counters(emu, E, T, K, kind, fill,
                                            (256, 5, 16, "invalid"), (128, 2, 16, "uniform"),
                                            (256, 130, 16, "hot")])
 def test_lora_tiny_ranks_by_digit_sort_and_by_counters(emu, E, T, rows, kind, fill, how):
-    policy = TINY_RANKS[how][fill]
-    _tiny_ranks_launch(T * 8, rows * E, rows, policy, how)
+    policy = tiny_ranks_policy(T * 8, rows * E, rows, how, fill, emulator.LIMITS)
     for salt in range(3):
         _run(emu, Case(T, 8, E, 16, rows=rows, seed=135 + salt, kind=kind,
                        with_ids=salt != 2, disabled=salt,

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import moe_lora_align as mla
-from gpu_util import (GUARD, POISON, canonical, cupy, guarded, make_lora, make_routing,
-                      requires_gpu, segment_starts)
+from gpu_util import (GUARD, POISON, TINY_RANKS, canonical, cupy, guarded, make_lora,
+                      make_routing, requires_gpu, segment_starts, tiny_ranks_policy)
 
 pytestmark = [requires_gpu, pytest.mark.gpu]
 
@@ -452,39 +452,16 @@ def test_lora_tiny_with_and_without_fill_blocks(E, T, rows, det, how):
                    disabled=salt, use_map=salt == 2)
 
 
-# Deterministic align_tiny's two ways to flat-order ranks, each asked for by its policy: a
-# stable sort by bucket digits (align_tiny_sorted) and a counter a bucket a warp (where those
-# fit); with fill blocks and without; a thread a bucket and four, one and two bucket bits,
-# just past one warp's routes and 4096 routes; five salts a case, so every routing kind
-# (skewed, hot, invalid, duplicates) comes up; listed, disabled and unprocessed rows.
-TINY_RANKS = {
-    how: {fill: mla.AlignPolicy(tiny_sort_ranks_from=0 if how == "digit_sort" else 1 << 62,
-                        tiny_sort_ranks_min_routes=0, tiny_sort_ranks_max_routes=1 << 62,
-                                tiny_fill_blocks_from=0 if fill else 1 << 62,
-                                tiny_fill_blocks_one_row_from=0 if fill else 1 << 62,
-                                coop_over_single_entries=BIG_SINGLE,
-                                coop_over_filled_single_entries=BIG_SINGLE,
-                                cluster_min_routes=1 << 30)
-          for fill in (True, False)}
-    for how in ("digit_sort", "warp_counters")}
-
-
-def _tiny_ranks_launch(numel, buckets, rows, policy, how):
-    launch = mla._dispatch.choose_launch(numel, buckets, rows, mla._launch.device_limits(0),
-                                         deterministic=True, out_entries=numel, policy=policy)
-    if how == "warp_counters" and not launch.tiny:
-        pytest.skip(f"a counter a bucket a warp does not fit {buckets} buckets")
-    assert launch.kind == "single" and launch.tiny
-    assert launch.sort_ranks == (how == "digit_sort" and numel > WARP_ROUTES)
-
-
+# Deterministic align_tiny's two ways to flat-order ranks (gpu_util.TINY_RANKS): a thread a
+# bucket and four, one and two bucket bits, just past one warp's routes and 4096 routes; five
+# salts a case, so every routing kind (skewed, hot, invalid, duplicates) comes up; listed,
+# disabled and unprocessed rows.
 @pytest.mark.parametrize("how", list(TINY_RANKS))
 @pytest.mark.parametrize("fill", [True, False], ids=["fill_blocks", "no_fill_blocks"])
 @pytest.mark.parametrize("E,T,K", [(64, 33, 1), (1024, 16, 8), (257, 255, 8), (7, 512, 8),
                                    (2, 100, 8), (1, 40, 8), (1000, 300, 8)])
 def test_base_tiny_ranks_by_digit_sort_and_by_counters(E, T, K, fill, how):
-    policy = TINY_RANKS[how][fill]
-    _tiny_ranks_launch(T * K, E, 1, policy, how)
+    policy = tiny_ranks_policy(T * K, E, 1, how, fill, mla._launch.device_limits(0))
     for salt in range(5):
         _base_case(E, T, None, True, salt=140 + salt, topk=K, policy=policy,
                    expert_map_mode=(None, "after")[salt % 2], scatter=salt % 2 == 1)
@@ -496,8 +473,7 @@ def test_base_tiny_ranks_by_digit_sort_and_by_counters(E, T, K, fill, how):
                                       (7, 100, 33), (256, 5, 16), (128, 2, 16), (256, 130, 16),
                                       (256, 256, 8)])
 def test_lora_tiny_ranks_by_digit_sort_and_by_counters(E, T, rows, fill, how):
-    policy = TINY_RANKS[how][fill]
-    _tiny_ranks_launch(T * 8, rows * E, rows, policy, how)
+    policy = tiny_ranks_policy(T * 8, rows * E, rows, how, fill, mla._launch.device_limits(0))
     for salt in range(5):
         _lora_case(E, T, None, True, salt=145 + salt, topk=8, max_loras=rows, policy=policy,
                    allocate=salt == 1, with_ids=salt != 2, disabled=salt % 3,
