@@ -254,6 +254,68 @@ __device__ __forceinline__ void sort_by_bucket_digits(const SortedRanks& s,
   __syncthreads();
 }
 
+// align_tiny_chunked's flat-order ranks (CHUNKED in align_tiny_buckets), without a counter a
+// bucket a warp or a sort. A chunk is one item of a warp (32 routes in flat order; chunks
+// follow the flat index too). Its lanes of one bucket form a group (a multi-split), whose
+// lowest lane adds the group's size to the bucket's count in one shared atomic: that gives
+// the group a free-order place in its bucket's unpadded segment. After the scan each group
+// leaves a record (chunk << 8 | size) at that place, and its leader walks its bucket's
+// records, group to group, summing the sizes of earlier chunks' groups: the group's offset
+// in flat order, to which each lane adds its rank in the group. A walk visits one record per
+// group of its bucket: about one for spread routing, numel / 32 when every route shares a
+// bucket. The records take SortedRanks' by_low.
+struct ChunkGroup {
+  int leader;  // the group's lowest lane
+  int size;    // its lanes
+  int slot;    // on the leader: the group's free-order place in its bucket
+};
+
+// A chunk's claim: the lane's rank in its group; `g` gets the group. Every lane calls it;
+// bucket < 0 is inactive (its group is unused).
+__device__ __forceinline__ int claim_group(int* counts, int bucket, int nbits, ChunkGroup& g) {
+  const unsigned active = __ballot_sync(MLA_FULL_MASK, bucket >= 0);
+  const unsigned peers = same_bucket_lanes(active, bucket, nbits);
+  g.leader = (__ffs(peers) - 1) & 31;
+  g.size = __popc(peers);
+  g.slot = 0;
+  if (bucket >= 0 && (int)(threadIdx.x & 31) == g.leader)
+    g.slot = atomicAdd(counts + bucket, g.size);
+  return __popc(peers & lanemask_lt());
+}
+
+// The groups' records, a barrier, and each leader's walk; rank[j] becomes the route's rank
+// in flat order within its bucket. After the scan (raw holds the unpadded starts, `routes`
+// their total); every thread calls it.
+__device__ __forceinline__ void rank_groups_in_flat_order(const SortedRanks& s,
+                                                          int (&rank)[TINY_ITEMS],
+                                                          const int (&bucket)[TINY_ITEMS],
+                                                          const ChunkGroup (&group)[TINY_ITEMS],
+                                                          int items, int nb, int routes) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int* records = s.by_low;
+#pragma unroll
+  for (int j = 0; j < TINY_ITEMS; ++j)
+    if (j < items && bucket[j] >= 0 && lane == group[j].leader)
+      records[s.raw[bucket[j]] + group[j].slot] = ((warp * items + j) << 8) | group[j].size;
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < TINY_ITEMS; ++j) {
+    if (j >= items) continue;  // the same on every lane
+    int before = 0;
+    if (bucket[j] >= 0 && lane == group[j].leader) {
+      const int b = bucket[j], chunk = warp * items + j;
+      const int end = b + 1 < nb ? s.raw[b + 1] : routes;
+#pragma unroll 1
+      for (int at = s.raw[b]; at < end;) {
+        const int record = records[at];
+        if ((record >> 8) < chunk) before += record & 255;
+        at += record & 255;
+      }
+    }
+    rank[j] += __shfl_sync(MLA_FULL_MASK, before, group[j].leader);
+  }
+}
+
 // PER: buckets a thread, a compile-time count so the one-bucket version carries no loop or
 // guard for the others. BASE: a base_problem (one row, always processed), compiled apart so
 // the row arithmetic and the row flags fold away, as in align_warp's base instance.
@@ -267,9 +329,10 @@ __device__ __forceinline__ void sort_by_bucket_digits(const SortedRanks& s,
 // free-order claims, and the ranks from a stable sort of the routes by bucket in two digit
 // passes, each with a counter a digit a warp (sort_by_bucket_digits).
 template <typename IdT, int PER, bool DET, bool BASE, bool FILLED, bool STAGED = false,
-          bool SORTED = false>
+          bool SORTED = false, bool CHUNKED = false>
 __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
-  static_assert(DET || !SORTED, "the sorted ranks are deterministic mode's");
+  static_assert(DET || !(SORTED || CHUNKED), "the sorted ranks are deterministic mode's");
+  constexpr bool RAW = SORTED || CHUNKED;  // counts from claims, unpadded starts scanned
   __shared__ int warp_sums[32];
   const int nb = num_buckets(p), tid = threadIdx.x;
   const int lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
@@ -296,11 +359,11 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
   Route route[TINY_ITEMS];
 #pragma unroll
   for (int j = 0; j < TINY_ITEMS; ++j) route[j] = load_route<IdT>(p, route_index(j), p.numel);
-  if (SORTED) {  // counts from the claims, digit counters from zero
+  if (RAW) {  // counts from the claims, digit counters from zero
 #pragma unroll
     for (int q = 0; q < PER; ++q)
       if (q * bd + tid < nb) starts[q * bd + tid] = 0;
-    sorted.zero_counters(tid, bd);
+    if (SORTED) sorted.zero_counters(tid, bd);
   } else if (DET) {  // the counts come from the warp counters, which start at zero
     unsigned* words = reinterpret_cast<unsigned*>(warp_counts);
 #pragma unroll 1
@@ -341,13 +404,16 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
   MLA_STAMP(0, 1);
 
   int bucket[TINY_ITEMS], rank[TINY_ITEMS];
+  ChunkGroup group[TINY_ITEMS];  // CHUNKED: each item's group
 #pragma unroll
   for (int j = 0; j < TINY_ITEMS; ++j) {
     const int i = route_index(j);
     bucket[j] = BASE ? bucket_of(p, route[j], RowBits{1u}) : bucket_of(p, route[j], processed);
     if (p.scatter_idx != nullptr && i < p.numel) p.scatter_idx[i] = bucket[j] >= 0 ? i : -1;
     if (!DET) rank[j] = claim(starts, bucket[j]);
-    else if (SORTED) {
+    else if (CHUNKED) {
+      if (j < items) rank[j] = claim_group(starts, bucket[j], bucket_bits(nb), group[j]);
+    } else if (SORTED) {
       claim(starts, bucket[j]);  // the count only
       if (j < items) rank[j] = sorted.claim_low(warp, bucket[j]);
     } else if (j < items)
@@ -358,27 +424,27 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
 
   // Padded exclusive scan, this thread's buckets in this thread: warp scan of the threads'
   // sums, then every warp scans the warp totals itself (no serial phase of warp 0).
-  int padded[PER], sum = 0, count[PER], count_sum = 0;  // count: SORTED's raw scan
+  int padded[PER], sum = 0, count[PER], count_sum = 0;  // count: RAW's unpadded scan
 #pragma unroll
   for (int q = 0; q < PER; ++q) {
     const int b = first + q;
     const int c = b >= nb ? 0
-                      : DET && !SORTED ? prefix_over_warps(warp_counts + b, stride, route_warps) : starts[b];
+                      : DET && !RAW ? prefix_over_warps(warp_counts + b, stride, route_warps) : starts[b];
     padded[q] = b < nb ? padded_count(p, c) : 0;
     sum += padded[q];
-    if (SORTED) { count[q] = c; count_sum += c; }
+    if (RAW) { count[q] = c; count_sum += c; }
   }
   const int x = warp_inclusive_sum(sum);
   if (lane == 31) warp_sums[warp] = x;
   // SORTED: the unpadded starts and the first pass's digit scan share the scan's barriers.
   int x_count = 0;
   ShareScan low;
-  if (SORTED) {
+  if (RAW) {
     x_count = warp_inclusive_sum(count_sum);
-    low = sorted.share(0, tid, bd);
+    if (SORTED) low = sorted.share(0, tid, bd);
     if (lane == 31) {
       sorted.sums[warp] = x_count;
-      sorted.sums[32 + warp] = low.inclusive;
+      if (SORTED) sorted.sums[32 + warp] = low.inclusive;
     }
   }
   __syncthreads();
@@ -393,15 +459,16 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
   for (int q = 0; q < PER; ++q)  // each thread overwrites only the counts it read
     if (first + q < nb) starts[first + q] = start[q];
   if (tid == 0) starts[nb] = total;
-  int routes = 0;  // SORTED: the routes that have a bucket
-  if (SORTED) {
+  int routes = 0;  // RAW: the routes that have a bucket
+  if (RAW) {
     int run = share_start(sorted.sums, x_count, count_sum, &routes);
 #pragma unroll
     for (int q = 0; q < PER; ++q) {
       if (first + q < nb) sorted.raw[first + q] = run;
       run += count[q];
     }
-    sorted.write_share(0, low, share_start(sorted.sums + 32, low.inclusive, low.sum));
+    if (SORTED)
+      sorted.write_share(0, low, share_start(sorted.sums + 32, low.inclusive, low.sum));
   }
   if (!fills && tid == 0) {
     MLA_STAMP(0, 6);  // scanned: block 0 starts to wait for the fill blocks
@@ -414,7 +481,17 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
   __syncthreads();
   MLA_STAMP(0, 3);
 
-  if (SORTED) {
+  if (CHUNKED) {
+    // Each group's offset among its bucket's earlier groups, then its lanes' stores.
+    rank_groups_in_flat_order(sorted, rank, bucket, group, items, nb, routes);
+    MLA_STAMP(0, 7);
+#pragma unroll
+    for (int j = 0; j < TINY_ITEMS; ++j) {
+      if (j >= items || bucket[j] < 0) continue;
+      p.sorted_ids[BASE ? starts[bucket[j]] + rank[j] : output_index(p, starts, bucket[j], rank[j])] =
+          route_index(j);
+    }
+  } else if (SORTED) {
     // Each route's place in bucket order, less its bucket's unpadded start: its flat rank.
     int by_bucket[TINY_ITEMS];
     sort_by_bucket_digits(sorted, rank, bucket, route_index, items, routes, by_bucket);
@@ -641,6 +718,18 @@ __global__ void __launch_bounds__(1024, 1) align_tiny_sorted(const Problem p) {
     align_tiny_buckets<IdT, TINY_BUCKETS, true, false, true, false, true>(p);
   else if (base_problem(p)) align_tiny_buckets<IdT, 1, true, true, true, false, true>(p);
   else align_tiny_buckets<IdT, 1, true, false, true, false, true>(p);
+}
+
+// Deterministic align_tiny whose ranks come from its chunks' groups (ChunkGroup): counts
+// from one atomic a group, offsets from a walk over the bucket's groups. Fill blocks as in
+// align_tiny_sorted; the same shared memory.
+template <typename IdT>
+__global__ void __launch_bounds__(1024, 1) align_tiny_chunked(const Problem p) {
+  if (blockIdx.x > 0) fill_and_arrive(p, blockIdx.x - 1, true, p.ticket);
+  else if (num_buckets(p) > (int)blockDim.x)
+    align_tiny_buckets<IdT, TINY_BUCKETS, true, false, true, false, false, true>(p);
+  else if (base_problem(p)) align_tiny_buckets<IdT, 1, true, true, true, false, false, true>(p);
+  else align_tiny_buckets<IdT, 1, true, false, true, false, false, true>(p);
 }
 
 // Base and LoRA alignment in one launch of two tiny blocks (block 0: `first`).

@@ -114,6 +114,9 @@ class AlignPolicy:
     tiny_sort_ranks_from: int = 4096
     tiny_sort_ranks_min_routes: int = 320
     tiny_sort_ranks_max_routes: int = 2048
+    # Those calls rank through their chunks' groups (align_tiny_chunked: an atomic a group of
+    # a warp's routes of one bucket, a walk over the bucket's groups) instead of the sort.
+    tiny_rank_chunks: bool = False
     cluster_over_staged_from: int = 4097
     cluster_over_staged_from_deterministic: int = 2304
     cluster_over_staged_entries: int = 16384
@@ -182,6 +185,7 @@ class Launch:
     smem_order: int = 0       # dynamic shared bytes of align_order (the sort's scratch)
     sort_ranks: bool = False  # single, tiny, deterministic: flat-order ranks from a sort by
                               #   bucket digits (align_tiny_sorted), not per-warp counters
+    rank_chunks: bool = False  # sort_ranks: from the chunks' groups (align_tiny_chunked)
 
     @property
     def mode(self) -> int:
@@ -381,7 +385,8 @@ def _single_block(numel, num_buckets, rows, deterministic, limits, out_entries=0
         smem = base + tiny_sort_bytes(numel, num_buckets)
         if smem <= limits.dynamic_smem:
             return Launch("shared", "single", True, tiny, grid=1 + fill, smem_single=smem,
-                          tiny=True, fill_grid=fill, sort_ranks=True)
+                          tiny=True, fill_grid=fill, sort_ranks=True,
+                          rank_chunks=policy.tiny_rank_chunks)
     if tiny is not None:
         smem = base + (tiny_warp_counter_bytes(numel, tiny, num_buckets) if deterministic else 0)
         # the staged base row (a bound: out_entries holds the row and its tiles; 0, unknown)
@@ -898,7 +903,8 @@ def launch_kernels(launch, fused: bool = False) -> list:
         name = ("tiny" if launch.tiny else "single") if not fused else (
             "tiny_pair" if launch.tiny else "pair")
         if launch.tiny and launch.sort_ranks and not fused:
-            name += "_sorted"  # deterministic ranks from a digit sort; may have fill blocks
+            # deterministic ranks from a digit sort or the chunks' groups; may have fill blocks
+            name += "_chunked" if launch.rank_chunks else "_sorted"
         elif launch.tiny and launch.fill_grid:
             name += "_filled"  # a kernel apart; align_tiny and align_tiny_pair have none
         elif launch.tiny and launch.stage_output and not fused:
@@ -949,7 +955,7 @@ def _layout_bytes(kind: str, launch, numel: int, sides) -> int:
 # Kernel keys of align_tiny and its pair (``_kernels.kernel_names``); the ``_filled`` ones
 # are the instances whose launches have fill blocks.
 TINY_KERNELS = ("tiny", "tiny_pair", "tiny_filled", "tiny_pair_filled", "tiny_staged",
-                "tiny_sorted")
+                "tiny_sorted", "tiny_chunked")
 
 
 def kernel_demands(launch, numel: int, sides) -> list:
@@ -987,10 +993,10 @@ def check_launch(launch, numel: int, sides, limits: DeviceLimits) -> None:
                    "blocks")
         elif kernel in TINY_KERNELS and launch.fill_grid and grid > limits.sm_count:
             why = f"{grid} blocks cannot all be resident on {limits.sm_count} SMs"
-        elif kernel == "tiny_sorted" and numel > SORTED_RANKS_MAX_ROUTES:
+        elif kernel in ("tiny_sorted", "tiny_chunked") and numel > SORTED_RANKS_MAX_ROUTES:
             why = (f"{numel} routes, more than the {SORTED_RANKS_MAX_ROUTES} its sort packs "
                    "beside a bucket")
-        elif kernel == "tiny_sorted" and not launch.deterministic:
+        elif kernel in ("tiny_sorted", "tiny_chunked") and not launch.deterministic:
             why = "a free-order call (its ranks are the deterministic ones)"
         elif kernel == "cooperative" and launch.chunk > COOP_ITEMS * block:
             why = f"chunks of {launch.chunk} routes, more than {COOP_ITEMS} a thread of {block}"

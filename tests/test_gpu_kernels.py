@@ -452,14 +452,14 @@ def test_lora_tiny_with_and_without_fill_blocks(E, T, rows, det, how):
                    disabled=salt, use_map=salt == 2)
 
 
-# Deterministic align_tiny's two ways to flat-order ranks (gpu_util.TINY_RANKS): a thread a
+# Deterministic align_tiny's ways to flat-order ranks (gpu_util.TINY_RANKS): a thread a
 # bucket and four, one and two bucket bits, just past one warp's routes and 4096 routes; five
 # salts a case, so every routing kind (skewed, hot, invalid, duplicates) comes up; listed,
 # disabled and unprocessed rows.
 @pytest.mark.parametrize("how", list(TINY_RANKS))
 @pytest.mark.parametrize("fill", [True, False], ids=["fill_blocks", "no_fill_blocks"])
 @pytest.mark.parametrize("E,T,K", [(64, 33, 1), (1024, 16, 8), (257, 255, 8), (7, 512, 8),
-                                   (2, 100, 8), (1, 40, 8), (1000, 300, 8)])
+                                   (2, 100, 8), (1, 40, 8), (1000, 300, 8), (1, 512, 8)])
 def test_base_tiny_ranks_by_digit_sort_and_by_counters(E, T, K, fill, how):
     policy = tiny_ranks_policy(T * K, E, 1, how, fill, mla._launch.device_limits(0))
     for salt in range(5):
