@@ -111,12 +111,12 @@ class AlignPolicy:
     # counters 6.98 against the sort's 8.09 us, T=64 10.64 against 8.80, T=128 and T=256 the
     # cooperative launch 14.02 and 14.40 against 10.28 and 13.03, T=512 14.63 against 18.47;
     # 8 slots, 2048 buckets, counters won: T=256 10.66 against 11.29).
-    tiny_sort_ranks_from: int = 4096
-    tiny_sort_ranks_min_routes: int = 320
+    tiny_sort_ranks_from: int = 2048
+    tiny_sort_ranks_min_routes: int = 33
     tiny_sort_ranks_max_routes: int = 2048
     # Those calls rank through their chunks' groups (align_tiny_chunked: an atomic a group of
     # a warp's routes of one bucket, a walk over the bucket's groups) instead of the sort.
-    tiny_rank_chunks: bool = False
+    tiny_rank_chunks: bool = True
     cluster_over_staged_from: int = 4097
     cluster_over_staged_from_deterministic: int = 2304
     cluster_over_staged_entries: int = 16384
