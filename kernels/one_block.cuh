@@ -133,137 +133,27 @@ __device__ __forceinline__ int share_start(const int* sums, int inclusive, int o
   return inclusive - own + (warp > 0 ? before : 0);
 }
 
-// A thread's share of a digit pass's scan: entries [q0, q1) in digit-major order, their sum,
-// and the warp's inclusive sum up to this thread.
-struct ShareScan {
-  int q0 = 0, q1 = 0, sum = 0, inclusive = 0;
-};
-
-// align_tiny_sorted's flat-order ranks over many buckets (SORTED in align_tiny_buckets): a
-// stable sort of the routes by bucket, least significant digit first, in two passes over
-// digits of half the bucket bits each. A pass ranks a warp's routes in lane order with a
-// counter a digit a warp (claim_in_lane_order), and scans the counters in digit-major order
-// (digit d's warps 0..31 in turn), so a route's place is its (digit, warp) start plus its
-// rank. The first pass takes the routes in flat order and orders them by the low digit
-// into by_low; the second takes by_low in that order by the high digit, which leaves each
-// bucket's routes together in flat order. A route's rank is then its place less its
-// bucket's unpadded start (raw).
-// Shared memory after the counts: raw[nb] int | sums[2][32] int (warp totals of the scans) |
-// counters[2][32][stride] ushort (stride: the low digit's values and two, so that the scan's
-// lanes take different banks) | by_low[numel] int, each entry (bucket << ROUTE_BITS) | route.
-struct SortedRanks {
-  static constexpr int ROUTE_BITS = 12;  // routes of one block: TINY_ITEMS * 1024 at most
-  static constexpr int ROUTE_MASK = (1 << ROUTE_BITS) - 1;
+// align_tiny_chunked's flat-order ranks over many buckets (CHUNKED in align_tiny_buckets),
+// without a counter a bucket a warp (4096 buckets x 32 warps is 256 KB). A chunk is one item
+// of a warp: 32 routes in flat order, and the chunks follow the flat index too. A chunk's
+// lanes of one bucket form a group (a multi-split), whose lowest lane adds the group's size
+// to the bucket's count in one shared atomic: that gives the group a free-order place in its
+// bucket's unpadded segment. After the scan each group leaves a record (chunk << 8 | size) at
+// that place, and its leader walks its bucket's records, group to group, summing the sizes
+// of earlier chunks' groups: the group's offset in flat order, to which each lane adds its
+// rank in the group. A walk visits one record per group of its bucket: about one for spread
+// routing, numel / 32 when every route shares a bucket. A bucket of one group has nothing to
+// walk, and writes no record.
+// Shared memory after the counts: raw[nb] int (unpadded starts) | sums[32] int (the raw
+// scan's warp totals) | records[numel] int.
+struct ChunkRanks {
   int* raw;
-  int* sums;  // [2][32]
-  unsigned short* counters;
-  int* by_low;
-  int low_bits, high_bits, stride;
-
-  __device__ __forceinline__ SortedRanks(int* after_counts, int nb) {
-    const int bits = bucket_bits(nb);
-    low_bits = (bits + 1) >> 1;
-    high_bits = bits - low_bits;
-    stride = (1 << low_bits) + 2;
-    raw = after_counts;
-    sums = raw + nb;
-    counters = reinterpret_cast<unsigned short*>(sums + 2 * 32);
-    by_low = reinterpret_cast<int*>(counters + 2 * 32 * stride);
-  }
-  __device__ __forceinline__ unsigned short* pass(int k) const {
-    return counters + k * 32 * stride;
-  }
-  __device__ __forceinline__ void zero_counters(int tid, int threads) const {
-    unsigned* words = reinterpret_cast<unsigned*>(counters);
-#pragma unroll 1
-    for (int k = tid; k < 32 * stride; k += threads) words[k] = 0u;
-  }
-  __device__ __forceinline__ int low(int bucket) const { return bucket & ((1 << low_bits) - 1); }
-  // Ranks in lane order among the warp's routes of the same digit (bucket < 0: none).
-  __device__ __forceinline__ int claim_low(int warp, int bucket) const {
-    return claim_in_lane_order(pass(0) + warp * stride, bucket < 0 ? -1 : low(bucket),
-                               low_bits);
-  }
-  __device__ __forceinline__ int claim_high(int warp, int bucket) const {
-    return claim_in_lane_order(pass(1) + warp * stride, bucket < 0 ? -1 : bucket >> low_bits,
-                               high_bits);
-  }
-  // Pass k's scan, the thread's share: its sum and the warp's inclusive sum. Every thread
-  // calls it, after the barrier that ends the pass's claims.
-  __device__ __forceinline__ ShareScan share(int k, int tid, int threads) const {
-    const int n = 32 << (k == 0 ? low_bits : high_bits);
-    const int per = (n + threads - 1) / threads;
-    ShareScan s;
-    s.q0 = min(n, tid * per);
-    s.q1 = min(n, s.q0 + per);
-    const unsigned short* c = pass(k);
-#pragma unroll 1
-    for (int q = s.q0; q < s.q1; ++q) s.sum += c[(q & 31) * stride + (q >> 5)];
-    s.inclusive = warp_inclusive_sum(s.sum);
-    return s;
-  }
-  // The share's counters become their (digit, warp) starts, from `run` on.
-  __device__ __forceinline__ void write_share(int k, const ShareScan& s, int run) const {
-    unsigned short* c = pass(k);
-#pragma unroll 1
-    for (int q = s.q0; q < s.q1; ++q) {
-      const int at = (q & 31) * stride + (q >> 5), v = c[at];
-      c[at] = (unsigned short)run;
-      run += v;
-    }
-  }
-  __device__ __forceinline__ int low_place(int warp, int bucket, int rank) const {
-    return pass(0)[warp * stride + low(bucket)] + rank;
-  }
-  __device__ __forceinline__ int high_place(int warp, int bucket, int rank) const {
-    return pass(1)[warp * stride + (bucket >> low_bits)] + rank;
-  }
+  int* sums;
+  int* records;
+  __device__ __forceinline__ ChunkRanks(int* after_counts, int nb)
+      : raw(after_counts), sums(after_counts + nb), records(after_counts + nb + 32) {}
 };
 
-// The two digit passes of SortedRanks, after the first pass's claims (`rank`, the routes'
-// `bucket`) and its scan are published: by_bucket[j] gets the j-th entry of the warp's run of
-// by_low ((bucket << ROUTE_BITS) | route, -1 past the `routes` that have a bucket) and rank[j]
-// its rank among the warp's entries of the same high digit, so that high_place gives its
-// place in bucket order. Every thread calls it; it ends with a barrier.
-template <typename RouteIndex>
-__device__ __forceinline__ void sort_by_bucket_digits(const SortedRanks& s,
-                                                      int (&rank)[TINY_ITEMS],
-                                                      const int (&bucket)[TINY_ITEMS],
-                                                      RouteIndex route_index, int items,
-                                                      int routes, int (&by_bucket)[TINY_ITEMS]) {
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-#pragma unroll
-  for (int j = 0; j < TINY_ITEMS; ++j)
-    if (j < items && bucket[j] >= 0)
-      s.by_low[s.low_place(warp, bucket[j], rank[j])] =
-          (bucket[j] << SortedRanks::ROUTE_BITS) | route_index(j);
-  __syncthreads();
-#pragma unroll
-  for (int j = 0; j < TINY_ITEMS; ++j) {
-    by_bucket[j] = -1;
-    if (j >= items) continue;  // the same on every lane
-    const int e = (warp * items + j) * 32 + lane;
-    if (e < routes) by_bucket[j] = s.by_low[e];
-    rank[j] = s.claim_high(warp, by_bucket[j] < 0 ? -1 : by_bucket[j] >> SortedRanks::ROUTE_BITS);
-  }
-  __syncthreads();
-  const ShareScan high = s.share(1, tid, blockDim.x);
-  if (lane == 31) s.sums[32 + warp] = high.inclusive;  // the first pass's: read long before
-  __syncthreads();
-  s.write_share(1, high, share_start(s.sums + 32, high.inclusive, high.sum));
-  __syncthreads();
-}
-
-// align_tiny_chunked's flat-order ranks (CHUNKED in align_tiny_buckets), without a counter a
-// bucket a warp or a sort. A chunk is one item of a warp (32 routes in flat order; chunks
-// follow the flat index too). Its lanes of one bucket form a group (a multi-split), whose
-// lowest lane adds the group's size to the bucket's count in one shared atomic: that gives
-// the group a free-order place in its bucket's unpadded segment. After the scan each group
-// leaves a record (chunk << 8 | size) at that place, and its leader walks its bucket's
-// records, group to group, summing the sizes of earlier chunks' groups: the group's offset
-// in flat order, to which each lane adds its rank in the group. A walk visits one record per
-// group of its bucket: about one for spread routing, numel / 32 when every route shares a
-// bucket. The records take SortedRanks' by_low.
 struct ChunkGroup {
   int leader;  // the group's lowest lane
   int size;    // its lanes
@@ -286,31 +176,35 @@ __device__ __forceinline__ int claim_group(int* counts, int bucket, int nbits, C
 // The groups' records, a barrier, and each leader's walk; rank[j] becomes the route's rank
 // in flat order within its bucket. After the scan (raw holds the unpadded starts, `routes`
 // their total); every thread calls it.
-__device__ __forceinline__ void rank_groups_in_flat_order(const SortedRanks& s,
+__device__ __forceinline__ void rank_groups_in_flat_order(const ChunkRanks& s,
                                                           int (&rank)[TINY_ITEMS],
                                                           const int (&bucket)[TINY_ITEMS],
                                                           const ChunkGroup (&group)[TINY_ITEMS],
                                                           int items, int nb, int routes) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  int* records = s.by_low;
+  int first[TINY_ITEMS], end[TINY_ITEMS];  // on a leader: its bucket's records
 #pragma unroll
-  for (int j = 0; j < TINY_ITEMS; ++j)
-    if (j < items && bucket[j] >= 0 && lane == group[j].leader)
-      records[s.raw[bucket[j]] + group[j].slot] = ((warp * items + j) << 8) | group[j].size;
+  for (int j = 0; j < TINY_ITEMS; ++j) {
+    first[j] = end[j] = 0;
+    if (j < items && bucket[j] >= 0 && lane == group[j].leader) {
+      const int b = bucket[j];
+      first[j] = s.raw[b];
+      end[j] = b + 1 < nb ? s.raw[b + 1] : routes;
+      if (end[j] - first[j] == group[j].size) end[j] = first[j];  // the bucket's only group
+      else s.records[first[j] + group[j].slot] = ((warp * items + j) << 8) | group[j].size;
+    }
+  }
   __syncthreads();
 #pragma unroll
   for (int j = 0; j < TINY_ITEMS; ++j) {
     if (j >= items) continue;  // the same on every lane
+    const int chunk = warp * items + j;
     int before = 0;
-    if (bucket[j] >= 0 && lane == group[j].leader) {
-      const int b = bucket[j], chunk = warp * items + j;
-      const int end = b + 1 < nb ? s.raw[b + 1] : routes;
 #pragma unroll 1
-      for (int at = s.raw[b]; at < end;) {
-        const int record = records[at];
-        if ((record >> 8) < chunk) before += record & 255;
-        at += record & 255;
-      }
+    for (int at = first[j]; at < end[j];) {
+      const int record = s.records[at];
+      if ((record >> 8) < chunk) before += record & 255;
+      at += record & 255;
     }
     rank[j] += __shfl_sync(MLA_FULL_MASK, before, group[j].leader);
   }
@@ -324,15 +218,13 @@ __device__ __forceinline__ void rank_groups_in_flat_order(const SortedRanks& s,
 // ints of shared memory after the counters holding the row): the row is built in shared
 // memory, the fill included, and stored coalesced after the scan. One SM's scattered route
 // stores were the largest stage of base T=256 (r44's stamps: 3324 of 8008 cycles).
-// SORTED (DET, align_tiny_sorted): flat-order ranks without a counter a bucket a warp, which
-// many buckets cannot afford (4096 buckets x 32 warps is 256 KB): the counts come from the
-// free-order claims, and the ranks from a stable sort of the routes by bucket in two digit
-// passes, each with a counter a digit a warp (sort_by_bucket_digits).
+// CHUNKED (DET, align_tiny_chunked): flat-order ranks without a counter a bucket a warp,
+// which many buckets cannot afford: the counts come from one atomic a chunk's group, and the
+// ranks from a walk over the bucket's groups (ChunkRanks).
 template <typename IdT, int PER, bool DET, bool BASE, bool FILLED, bool STAGED = false,
-          bool SORTED = false, bool CHUNKED = false>
+          bool CHUNKED = false>
 __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
-  static_assert(DET || !(SORTED || CHUNKED), "the sorted ranks are deterministic mode's");
-  constexpr bool RAW = SORTED || CHUNKED;  // counts from claims, unpadded starts scanned
+  static_assert(DET || !CHUNKED, "the chunks' ranks are deterministic mode's");
   __shared__ int warp_sums[32];
   const int nb = num_buckets(p), tid = threadIdx.x;
   const int lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
@@ -352,18 +244,17 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
   const auto route_index = [&](int j) {
     return DET ? (j < items ? (warp * items + j) * 32 + lane : p.numel) : j * bd + tid;
   };
-  // SORTED, after the counts: raw[nb] (unpadded starts) | the two passes' digit counters |
-  // by_low[numel] (kernels/one_block.cuh: SortedRanks).
-  const SortedRanks sorted(starts + nb + 1, nb);
+  // CHUNKED, after the counts: raw[nb] (unpadded starts) | sums[32] | records[numel]
+  // (ChunkRanks).
+  const ChunkRanks chunks(starts + nb + 1, nb);
   MLA_STAMP(0, 0);
   Route route[TINY_ITEMS];
 #pragma unroll
   for (int j = 0; j < TINY_ITEMS; ++j) route[j] = load_route<IdT>(p, route_index(j), p.numel);
-  if (RAW) {  // counts from the claims, digit counters from zero
+  if (CHUNKED) {  // counts from the groups' claims
 #pragma unroll
     for (int q = 0; q < PER; ++q)
       if (q * bd + tid < nb) starts[q * bd + tid] = 0;
-    if (SORTED) sorted.zero_counters(tid, bd);
   } else if (DET) {  // the counts come from the warp counters, which start at zero
     unsigned* words = reinterpret_cast<unsigned*>(warp_counts);
 #pragma unroll 1
@@ -413,9 +304,6 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
     if (!DET) rank[j] = claim(starts, bucket[j]);
     else if (CHUNKED) {
       if (j < items) rank[j] = claim_group(starts, bucket[j], bucket_bits(nb), group[j]);
-    } else if (SORTED) {
-      claim(starts, bucket[j]);  // the count only
-      if (j < items) rank[j] = sorted.claim_low(warp, bucket[j]);
     } else if (j < items)
       rank[j] = claim_in_lane_order(warp_counts + warp * stride, bucket[j], bucket_bits(nb));
   }
@@ -424,28 +312,23 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
 
   // Padded exclusive scan, this thread's buckets in this thread: warp scan of the threads'
   // sums, then every warp scans the warp totals itself (no serial phase of warp 0).
-  int padded[PER], sum = 0, count[PER], count_sum = 0;  // count: RAW's unpadded scan
+  int padded[PER], sum = 0, count[PER], count_sum = 0;  // count: CHUNKED's unpadded scan
 #pragma unroll
   for (int q = 0; q < PER; ++q) {
     const int b = first + q;
     const int c = b >= nb ? 0
-                      : DET && !RAW ? prefix_over_warps(warp_counts + b, stride, route_warps) : starts[b];
+                      : DET && !CHUNKED ? prefix_over_warps(warp_counts + b, stride, route_warps) : starts[b];
     padded[q] = b < nb ? padded_count(p, c) : 0;
     sum += padded[q];
-    if (RAW) { count[q] = c; count_sum += c; }
+    if (CHUNKED) { count[q] = c; count_sum += c; }
   }
   const int x = warp_inclusive_sum(sum);
   if (lane == 31) warp_sums[warp] = x;
-  // SORTED: the unpadded starts and the first pass's digit scan share the scan's barriers.
+  // CHUNKED: the unpadded starts share the scan's barriers.
   int x_count = 0;
-  ShareScan low;
-  if (RAW) {
+  if (CHUNKED) {
     x_count = warp_inclusive_sum(count_sum);
-    if (SORTED) low = sorted.share(0, tid, bd);
-    if (lane == 31) {
-      sorted.sums[warp] = x_count;
-      if (SORTED) sorted.sums[32 + warp] = low.inclusive;
-    }
+    if (lane == 31) chunks.sums[warp] = x_count;
   }
   __syncthreads();
   const int w = warp_inclusive_sum(lane < nwarps ? warp_sums[lane] : 0);
@@ -459,16 +342,14 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
   for (int q = 0; q < PER; ++q)  // each thread overwrites only the counts it read
     if (first + q < nb) starts[first + q] = start[q];
   if (tid == 0) starts[nb] = total;
-  int routes = 0;  // RAW: the routes that have a bucket
-  if (RAW) {
-    int run = share_start(sorted.sums, x_count, count_sum, &routes);
+  int routes = 0;  // CHUNKED: the routes that have a bucket
+  if (CHUNKED) {
+    int run = share_start(chunks.sums, x_count, count_sum, &routes);
 #pragma unroll
     for (int q = 0; q < PER; ++q) {
-      if (first + q < nb) sorted.raw[first + q] = run;
+      if (first + q < nb) chunks.raw[first + q] = run;
       run += count[q];
     }
-    if (SORTED)
-      sorted.write_share(0, low, share_start(sorted.sums + 32, low.inclusive, low.sum));
   }
   if (!fills && tid == 0) {
     MLA_STAMP(0, 6);  // scanned: block 0 starts to wait for the fill blocks
@@ -483,26 +364,13 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
 
   if (CHUNKED) {
     // Each group's offset among its bucket's earlier groups, then its lanes' stores.
-    rank_groups_in_flat_order(sorted, rank, bucket, group, items, nb, routes);
+    rank_groups_in_flat_order(chunks, rank, bucket, group, items, nb, routes);
     MLA_STAMP(0, 7);
 #pragma unroll
     for (int j = 0; j < TINY_ITEMS; ++j) {
       if (j >= items || bucket[j] < 0) continue;
       p.sorted_ids[BASE ? starts[bucket[j]] + rank[j] : output_index(p, starts, bucket[j], rank[j])] =
           route_index(j);
-    }
-  } else if (SORTED) {
-    // Each route's place in bucket order, less its bucket's unpadded start: its flat rank.
-    int by_bucket[TINY_ITEMS];
-    sort_by_bucket_digits(sorted, rank, bucket, route_index, items, routes, by_bucket);
-    MLA_STAMP(0, 7);
-#pragma unroll
-    for (int j = 0; j < TINY_ITEMS; ++j) {
-      if (by_bucket[j] < 0) continue;
-      const int b = by_bucket[j] >> SortedRanks::ROUTE_BITS;
-      const int r = sorted.high_place(warp, b, rank[j]) - sorted.raw[b];
-      p.sorted_ids[BASE ? starts[b] + r : output_index(p, starts, b, r)] =
-          by_bucket[j] & SortedRanks::ROUTE_MASK;
     }
   } else {
 #pragma unroll
@@ -707,29 +575,17 @@ __global__ void __launch_bounds__(1024, 1) align_tiny_staged(const Problem p) {
     MLA_ONE_OR_TWO_PASSES(align_tiny_block<IdT, DET, false>(p));
 }
 
-// Deterministic align_tiny whose ranks come from a stable sort by bucket digits
-// (SortedRanks) instead of per-warp counters a bucket: many buckets (LoRA with many slots).
-// Blocks past the first are fill blocks where the launch has them (p.fill_blocks; the
-// launch is then cooperative), as align_tiny_filled's are.
+// Deterministic align_tiny whose ranks come from its chunks' groups (ChunkRanks) instead of
+// per-warp counters a bucket: many buckets (LoRA with many slots). Blocks past the first are
+// fill blocks where the launch has them (p.fill_blocks; the launch is then cooperative), as
+// align_tiny_filled's are.
 template <typename IdT>
-__global__ void __launch_bounds__(1024, 1) align_tiny_sorted(const Problem p) {
+__global__ void __launch_bounds__(1024, 1) align_tiny_chunked(const Problem p) {
   if (blockIdx.x > 0) fill_and_arrive(p, blockIdx.x - 1, true, p.ticket);
   else if (num_buckets(p) > (int)blockDim.x)
     align_tiny_buckets<IdT, TINY_BUCKETS, true, false, true, false, true>(p);
   else if (base_problem(p)) align_tiny_buckets<IdT, 1, true, true, true, false, true>(p);
   else align_tiny_buckets<IdT, 1, true, false, true, false, true>(p);
-}
-
-// Deterministic align_tiny whose ranks come from its chunks' groups (ChunkGroup): counts
-// from one atomic a group, offsets from a walk over the bucket's groups. Fill blocks as in
-// align_tiny_sorted; the same shared memory.
-template <typename IdT>
-__global__ void __launch_bounds__(1024, 1) align_tiny_chunked(const Problem p) {
-  if (blockIdx.x > 0) fill_and_arrive(p, blockIdx.x - 1, true, p.ticket);
-  else if (num_buckets(p) > (int)blockDim.x)
-    align_tiny_buckets<IdT, TINY_BUCKETS, true, false, true, false, false, true>(p);
-  else if (base_problem(p)) align_tiny_buckets<IdT, 1, true, true, true, false, false, true>(p);
-  else align_tiny_buckets<IdT, 1, true, false, true, false, false, true>(p);
 }
 
 // Base and LoRA alignment in one launch of two tiny blocks (block 0: `first`).

@@ -29,7 +29,8 @@ CLUSTER_ITEMS = 8             # CLUSTER_ITEMS: align_cluster's routes a thread, 
 ORDER_ITEMS = 4               # ORDER_ITEMS: entries a lane holds in the segment sort's warps
 ORDER_WARP_MAX = 32 * ORDER_ITEMS  # segments up to this long are sorted by a warp
 ORDER_DIGITS_MAX = 4096       # ORDER_DIGITS_MAX: segment entries a block sorts by digits
-SORTED_RANKS_MAX_ROUTES = 1 << 12  # SortedRanks::ROUTE_BITS: align_tiny_sorted's routes, at most
+CHUNK_RANKS_MAX_ROUTES = 1 << 12  # align_tiny_chunked's routes, at most: TINY_ITEMS (4) a
+                                   #   thread of one block of BLOCK
 SINGLE_BLOCK_MAX_ROUTES = BLOCK * ITEMS_PER_THREAD
 WARP_COUNTER_MAX = 65535      # unsigned short per-warp counters bound a deterministic chunk
 SMEM_SLACK = 512              # bytes of a block's shared memory kept for the kernels' static
@@ -104,19 +105,19 @@ class AlignPolicy:
     # entries than the fourth.
     tiny_stage_from: int = 1024
     # Deterministic align_tiny from this many buckets, and of the second to the third figure
-    # of routes, ranks through a stable sort by bucket digits (align_tiny_sorted) instead of
-    # a counter a bucket a warp. Those counters fit 4096 buckets only up to 16 warps of
-    # routes (the cooperative launch took more), and cost most there; fewer routes keep
-    # them, and more go to the cooperative launch (r48, H100, LoRA E=256 16 slots: T=16
-    # counters 6.98 against the sort's 8.09 us, T=64 10.64 against 8.80, T=128 and T=256 the
-    # cooperative launch 14.02 and 14.40 against 10.28 and 13.03, T=512 14.63 against 18.47;
-    # 8 slots, 2048 buckets, counters won: T=256 10.66 against 11.29).
-    tiny_sort_ranks_from: int = 2048
-    tiny_sort_ranks_min_routes: int = 33
-    tiny_sort_ranks_max_routes: int = 2048
-    # Those calls rank through their chunks' groups (align_tiny_chunked: an atomic a group of
-    # a warp's routes of one bucket, a walk over the bucket's groups) instead of the sort.
-    tiny_rank_chunks: bool = True
+    # of routes, ranks through its chunks' groups (align_tiny_chunked: an atomic a group of a
+    # warp's routes of one bucket, a walk over the bucket's groups) instead of a counter a
+    # bucket a warp. Those counters fit 4096 buckets only up to 16 warps of routes (the
+    # cooperative launch took more), and cost most there. r49, H200, the chunks against the
+    # default before (r48's digit sort from 320 routes at 4096 buckets, else the counters or
+    # the cooperative launch), LoRA E=256: 16 slots T=16 6.17 against 6.92 us, T=64 6.76
+    # against 8.77, T=256 9.85 against 12.96; 8 slots T=16 4.87 against 5.29, T=256 9.53
+    # against 10.65. They lost at 1024 buckets and fewer for few routes (E=64 16 slots T=16
+    # 5.23 against 4.63; base T=256 E=256 8.59 against 5.04) and tied the cooperative launch
+    # at 4096 routes.
+    tiny_chunk_ranks_from: int = 2048
+    tiny_chunk_ranks_min_routes: int = 33
+    tiny_chunk_ranks_max_routes: int = 2048
     cluster_over_staged_from: int = 4097
     cluster_over_staged_from_deterministic: int = 2304
     cluster_over_staged_entries: int = 16384
@@ -183,9 +184,8 @@ class Launch:
     order_grid: int = 0       # > 0: then align_order, this many blocks, sorts every segment
                               #   (deterministic output from the free-order count + place)
     smem_order: int = 0       # dynamic shared bytes of align_order (the sort's scratch)
-    sort_ranks: bool = False  # single, tiny, deterministic: flat-order ranks from a sort by
-                              #   bucket digits (align_tiny_sorted), not per-warp counters
-    rank_chunks: bool = False  # sort_ranks: from the chunks' groups (align_tiny_chunked)
+    rank_chunks: bool = False  # single, tiny, deterministic: flat-order ranks from the
+                               #   chunks' groups (align_tiny_chunked), not per-warp counters
 
     @property
     def mode(self) -> int:
@@ -336,22 +336,20 @@ def tiny_warp_counter_bytes(numel: int, block: int, num_buckets: int) -> int:
     return 2 * _ceil_div(numel, 32 * items) * (num_buckets + (num_buckets & 1))
 
 
-def tiny_sort_bytes(numel: int, num_buckets: int) -> int:
-    """align_tiny_sorted's shared memory past the counts (kernels/one_block.cuh: SortedRanks):
-    the unpadded starts, the scans' warp totals, two passes of a counter a low digit (half
-    the bucket bits, rounded up, and two) for each of 32 warps, and the routes ordered by the
-    low digit."""
-    bits = max(0, (num_buckets - 1).bit_length())
-    stride = (1 << ((bits + 1) // 2)) + 2
-    return 4 * num_buckets + 4 * 2 * 32 + 2 * 2 * 32 * stride + 4 * numel
+def tiny_chunk_bytes(numel: int, num_buckets: int) -> int:
+    """align_tiny_chunked's shared memory past the counts (kernels/one_block.cuh: ChunkRanks):
+    the unpadded starts, the scan's warp totals, and a record a route (at most; one a group
+    of a warp's routes of one bucket)."""
+    return 4 * num_buckets + 4 * 32 + 4 * numel
 
 
-def tiny_sorts_ranks(numel: int, num_buckets: int, policy: AlignPolicy = DEFAULT_POLICY) -> bool:
-    """Deterministic align_tiny ranks through the digit sort (align_tiny_sorted): from
-    ``policy.tiny_sort_ranks_from`` buckets, for the policy's range of routes (past one
+def tiny_ranks_by_chunks(numel: int, num_buckets: int,
+                         policy: AlignPolicy = DEFAULT_POLICY) -> bool:
+    """Deterministic align_tiny ranks through its chunks' groups (align_tiny_chunked): from
+    ``policy.tiny_chunk_ranks_from`` buckets, for the policy's range of routes (past one
     warp's, which rank in lane order on one warp)."""
-    return (num_buckets >= policy.tiny_sort_ranks_from and numel > WARP_ROUTES
-            and policy.tiny_sort_ranks_min_routes <= numel <= policy.tiny_sort_ranks_max_routes)
+    return (num_buckets >= policy.tiny_chunk_ranks_from and numel > WARP_ROUTES
+            and policy.tiny_chunk_ranks_min_routes <= numel <= policy.tiny_chunk_ranks_max_routes)
 
 
 def tiny_fill_blocks(numel: int, out_entries: int, rows: int, limits: DeviceLimits,
@@ -370,9 +368,9 @@ def tiny_fill_blocks(numel: int, out_entries: int, rows: int, limits: DeviceLimi
 
 def _single_block(numel, num_buckets, rows, deterministic, limits, out_entries=0,
                   use_tiny=True, policy: AlignPolicy = DEFAULT_POLICY, fill_blocks=True,
-                  sort_ranks=True):
-    """``sort_ranks``: a deterministic align_tiny may rank through the digit sort (not in
-    the fused pair kernels, which keep per-warp counters)."""
+                  rank_chunks=True):
+    """``rank_chunks``: a deterministic align_tiny may rank through its chunks' groups (not
+    in the fused pair kernels, which keep per-warp counters)."""
     if numel > SINGLE_BLOCK_MAX_ROUTES:
         return None
     base = smem_one_block(num_buckets, rows)
@@ -380,13 +378,12 @@ def _single_block(numel, num_buckets, rows, deterministic, limits, out_entries=0
     fill = tiny_fill_blocks(numel, out_entries, rows, limits, policy) if fill_blocks else 0
     tiny = (tiny_block_threads(numel, 0 if fill else out_entries, num_buckets, policy)
             if policy.use_tiny and use_tiny else None)
-    if tiny is not None and deterministic and sort_ranks and tiny_sorts_ranks(
+    if tiny is not None and deterministic and rank_chunks and tiny_ranks_by_chunks(
             numel, num_buckets, policy):
-        smem = base + tiny_sort_bytes(numel, num_buckets)
+        smem = base + tiny_chunk_bytes(numel, num_buckets)
         if smem <= limits.dynamic_smem:
             return Launch("shared", "single", True, tiny, grid=1 + fill, smem_single=smem,
-                          tiny=True, fill_grid=fill, sort_ranks=True,
-                          rank_chunks=policy.tiny_rank_chunks)
+                          tiny=True, fill_grid=fill, rank_chunks=True)
     if tiny is not None:
         smem = base + (tiny_warp_counter_bytes(numel, tiny, num_buckets) if deterministic else 0)
         # the staged base row (a bound: out_entries holds the row and its tiles; 0, unknown)
@@ -842,10 +839,10 @@ def choose_pair(numel: int, base_buckets: int, lora_buckets: int, rows: int,
         return None
     base = _single_block(numel, base_buckets, 1, deterministic, limits,
                          out_entries // max(rows, 1), policy=policy, fill_blocks=False,
-                         sort_ranks=False)
+                         rank_chunks=False)
     lora = _single_block(numel, lora_buckets, rows, deterministic, limits,
                          0 if fill else out_entries, policy=policy, fill_blocks=False,
-                         sort_ranks=False)
+                         rank_chunks=False)
     if base is None or lora is None:
         return None
     if base.tiny and lora.tiny:
@@ -883,8 +880,8 @@ class LaunchRefused(ValueError):
 def _one_block_counters(launch: Launch, numel: int, num_buckets: int) -> int:
     if not launch.deterministic:
         return 0
-    if launch.tiny and launch.sort_ranks:
-        return tiny_sort_bytes(numel, num_buckets)
+    if launch.tiny and launch.rank_chunks:
+        return tiny_chunk_bytes(numel, num_buckets)
     if launch.tiny:
         return tiny_warp_counter_bytes(numel, launch.block, num_buckets)
     return 2 * (launch.block // 32) * _even(num_buckets)
@@ -902,9 +899,8 @@ def launch_kernels(launch, fused: bool = False) -> list:
     if launch.kind == "single":
         name = ("tiny" if launch.tiny else "single") if not fused else (
             "tiny_pair" if launch.tiny else "pair")
-        if launch.tiny and launch.sort_ranks and not fused:
-            # deterministic ranks from a digit sort or the chunks' groups; may have fill blocks
-            name += "_chunked" if launch.rank_chunks else "_sorted"
+        if launch.tiny and launch.rank_chunks and not fused:
+            name += "_chunked"  # deterministic ranks from the chunks' groups; may have fill blocks
         elif launch.tiny and launch.fill_grid:
             name += "_filled"  # a kernel apart; align_tiny and align_tiny_pair have none
         elif launch.tiny and launch.stage_output and not fused:
@@ -955,7 +951,7 @@ def _layout_bytes(kind: str, launch, numel: int, sides) -> int:
 # Kernel keys of align_tiny and its pair (``_kernels.kernel_names``); the ``_filled`` ones
 # are the instances whose launches have fill blocks.
 TINY_KERNELS = ("tiny", "tiny_pair", "tiny_filled", "tiny_pair_filled", "tiny_staged",
-                "tiny_sorted", "tiny_chunked")
+                "tiny_chunked")
 
 
 def kernel_demands(launch, numel: int, sides) -> list:
@@ -993,10 +989,9 @@ def check_launch(launch, numel: int, sides, limits: DeviceLimits) -> None:
                    "blocks")
         elif kernel in TINY_KERNELS and launch.fill_grid and grid > limits.sm_count:
             why = f"{grid} blocks cannot all be resident on {limits.sm_count} SMs"
-        elif kernel in ("tiny_sorted", "tiny_chunked") and numel > SORTED_RANKS_MAX_ROUTES:
-            why = (f"{numel} routes, more than the {SORTED_RANKS_MAX_ROUTES} its sort packs "
-                   "beside a bucket")
-        elif kernel in ("tiny_sorted", "tiny_chunked") and not launch.deterministic:
+        elif kernel == "tiny_chunked" and numel > CHUNK_RANKS_MAX_ROUTES:
+            why = f"{numel} routes, more than the {CHUNK_RANKS_MAX_ROUTES} its one block ranks"
+        elif kernel == "tiny_chunked" and not launch.deterministic:
             why = "a free-order call (its ranks are the deterministic ones)"
         elif kernel == "cooperative" and launch.chunk > COOP_ITEMS * block:
             why = f"chunks of {launch.chunk} routes, more than {COOP_ITEMS} a thread of {block}"

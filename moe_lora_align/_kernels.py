@@ -125,7 +125,6 @@ def kernel_names(dtype) -> dict:
     for modes in COOP_PAIR_MODES:  # (base, LoRA) DET arguments
         names[("cooperative_pair", modes)] = f"align_cooperative_pair<{t}, {modes[0]}, {modes[1]}>"
     names[("order", False)] = f"align_order<{t}>"
-    names[("tiny_sorted", True)] = f"align_tiny_sorted<{t}>"
     names[("tiny_chunked", True)] = f"align_tiny_chunked<{t}>"
     return names
 

@@ -88,7 +88,7 @@ CASES = [  # op ("... det": deterministic=True), T, E, K, B, L
     ("lora det", 256, 256, 8, 16, 16),
 ]
 STAGES = {0: ["entry", "rows+fill", "claim", "scan", "stores", "end", "wait from",
-              "digit sort"],
+              "group walk"],
           1: ["entry", "rows", "claim", "flush", "ticket", "scan", "end", "det prefix"],
           2: ["entry", "expert_ids", "claim", "base", "scan", "staged", "end"],
           3: ["entry", "rows+fill", "claim", "staged", "barrier", "scan+adj", "end",

@@ -39,23 +39,21 @@ def delayed_copy(src, dst, cycles, blocks=64):
     _SPIN((blocks,), (256,), (src, dst, np.int32(src.size), np.int64(cycles)))
 
 
-# Deterministic align_tiny's ways to flat-order ranks, each asked for by its policy (the
-# GPU tests and the CPU-emulator tests): a stable sort by bucket digits (align_tiny_sorted)
-# or the chunks' groups (align_tiny_chunked) at every size, or a counter a bucket a warp;
-# with fill blocks or without; one block up to any fill size and no cluster, so that the
+# Deterministic align_tiny's two ways to flat-order ranks, each asked for by its policy (the
+# GPU tests and the CPU-emulator tests): the chunks' groups (align_tiny_chunked) at every
+# size, or a counter a bucket a warp; with fill blocks or without; one block up to any fill size and no cluster, so that the
 # calls stay on align_tiny.
 TINY_RANKS = {
-    how: {fill: mla.AlignPolicy(tiny_sort_ranks_from=1 << 62 if how == "warp_counters" else 0,
-                                tiny_sort_ranks_min_routes=0,
-                                tiny_sort_ranks_max_routes=1 << 62,
-                                tiny_rank_chunks=how == "chunk_groups",
+    how: {fill: mla.AlignPolicy(tiny_chunk_ranks_from=0 if how == "chunk_groups" else 1 << 62,
+                                tiny_chunk_ranks_min_routes=0,
+                                tiny_chunk_ranks_max_routes=1 << 62,
                                 tiny_fill_blocks_from=0 if fill else 1 << 62,
                                 tiny_fill_blocks_one_row_from=0 if fill else 1 << 62,
                                 coop_over_single_entries=1 << 30,
                                 coop_over_filled_single_entries=1 << 30,
                                 cluster_min_routes=1 << 30)
           for fill in (True, False)}
-    for how in ("digit_sort", "chunk_groups", "warp_counters")}
+    for how in ("chunk_groups", "warp_counters")}
 
 
 def tiny_ranks_policy(numel, buckets, rows, how, fill, limits):
@@ -68,6 +66,5 @@ def tiny_ranks_policy(numel, buckets, rows, how, fill, limits):
         pytest.skip(f"a counter a bucket a warp does not fit {buckets} buckets")
     assert launch.kind == "single" and launch.tiny
     # one warp's routes rank in lane order on align_warp
-    assert launch.sort_ranks == (how != "warp_counters" and numel > mla._dispatch.WARP_ROUTES)
-    assert launch.rank_chunks == (launch.sort_ranks and how == "chunk_groups")
+    assert launch.rank_chunks == (how == "chunk_groups" and numel > mla._dispatch.WARP_ROUTES)
     return policy

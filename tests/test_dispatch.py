@@ -15,8 +15,8 @@ NO_CLUSTERS = d.DeviceLimits(sm_count=132, smem_optin=232448, cooperative=True)
 # Deterministic calls through the kernels' own ordered ranks (no align_order after them).
 ORDERED = dataclasses.replace(d.DEFAULT_POLICY, sort_for_determinism=False)
 SORTED = dataclasses.replace(d.DEFAULT_POLICY, sort_min_buckets=0)
-# deterministic align_tiny with a counter a bucket a warp only (no digit sort)
-COUNTERS = dataclasses.replace(d.DEFAULT_POLICY, tiny_sort_ranks_from=1 << 62)
+# deterministic align_tiny with a counter a bucket a warp only (no chunks' groups)
+COUNTERS = dataclasses.replace(d.DEFAULT_POLICY, tiny_chunk_ranks_from=1 << 62)
 CMIN = d.DEFAULT_POLICY.cluster_min_routes
 CMAX = d.DEFAULT_POLICY.cluster_max_routes
 
@@ -421,11 +421,11 @@ def test_deterministic_decode_runs_tiny_where_its_counters_fit():
     assert launch.tiny and launch.deterministic and launch.block == 64
     assert launch.smem_single == base + 2 * 64
     # 2048 routes over 16 x 256 buckets: 32 warps of counters need 256 KB, align_single's
-    # fewer warps fit (without the digit sort, which the default gives these buckets).
+    # fewer warps fit (without the chunks' groups, which the default gives these buckets).
     launch = d.choose_launch(2048, 16 * 256, 16, NO_COOP, deterministic=True, policy=COUNTERS)
     assert launch.kind == "single" and launch.deterministic and not launch.tiny
     launch = d.choose_launch(2048, 16 * 256, 16, NO_COOP, deterministic=True)
-    assert launch.tiny and launch.sort_ranks
+    assert launch.tiny and launch.rank_chunks
     pair = d.choose_pair(8, 64, 4 * 64, 4, H200, deterministic=True)
     assert pair.tiny and pair.deterministic and pair.block == 256
     assert pair.smem_single == (4 * 257 + d.row_region_bytes(4)
@@ -579,13 +579,14 @@ def test_decode_with_a_large_fill_prefers_the_cooperative_launch():
                                  tiny_fill_blocks_one_row_from=1 << 62)
     filled = d.choose_launch(2048, 16 * 256, 16, H200, out_entries=entries)
     assert filled.kind == "single" and filled.tiny and filled.fill_grid
-    # deterministic: align_tiny_sorted with its fill blocks, as the free-order call
-    sorted_filled = d.choose_launch(2048, 16 * 256, 16, H200, out_entries=entries,
+    # deterministic: align_tiny_chunked with its fill blocks, as the free-order call
+    chunked_filled = d.choose_launch(2048, 16 * 256, 16, H200, out_entries=entries,
                                     deterministic=True)
-    assert sorted_filled.tiny and sorted_filled.sort_ranks
-    assert sorted_filled.fill_grid == filled.fill_grid
+    assert chunked_filled.tiny and chunked_filled.rank_chunks
+    assert chunked_filled.fill_grid == filled.fill_grid
     for det in (False, True):
-        # (deterministic without the digit sort: per-warp counters of 4096 buckets do not fit)
+        # (deterministic without the chunks' groups: per-warp counters of 4096 buckets do
+        # not fit)
         assert d.choose_launch(2048, 16 * 256, 16, H200, out_entries=entries, deterministic=det,
                                policy=COUNTERS if det else no_tiny_fill
                                ).kind == "cooperative"
@@ -986,51 +987,49 @@ def test_tiny_staged_base_row():
                                                 policy=off), 2048, 256) == 0
 
 
-# ---- deterministic align_tiny's digit sort (align_tiny_sorted) ------------------------------
-def test_tiny_sorted_ranks_from_its_bucket_cut_for_its_routes():
+# ---- deterministic align_tiny's chunks' groups (align_tiny_chunked) ------------------------
+def test_tiny_chunked_ranks_from_its_bucket_cut_for_its_routes():
     pol = dataclasses.replace(d.DEFAULT_POLICY, cluster_min_routes=1 << 30)
-    cut, lo, hi = pol.tiny_sort_ranks_from, pol.tiny_sort_ranks_min_routes, pol.tiny_sort_ranks_max_routes
+    cut, lo, hi = (pol.tiny_chunk_ranks_from, pol.tiny_chunk_ranks_min_routes,
+                   pol.tiny_chunk_ranks_max_routes)
     assert d.WARP_ROUTES < lo <= hi <= d.SINGLE_BLOCK_MAX_ROUTES
     for buckets, routes, want in [(cut, lo, True), (cut, hi, True), (cut - 1, lo, False),
                                   (cut, lo - 1, False), (cut, hi + 1, False)]:
         rows = -(-buckets // 256)
         launch = d.choose_launch(routes, buckets, rows, NO_COOP, deterministic=True, policy=pol)
-        assert launch.kind == "single" and launch.sort_ranks == want, (buckets, routes)
-        assert not d.choose_launch(routes, buckets, rows, NO_COOP, policy=pol).sort_ranks
+        assert launch.kind == "single" and launch.rank_chunks == want, (buckets, routes)
+        assert not d.choose_launch(routes, buckets, rows, NO_COOP, policy=pol).rank_chunks
     # past its routes as before: counters where they fit, else align_single's fewer warps
     # or the cooperative launch
-    assert not d.choose_launch(hi + 1, cut, 16, H200, deterministic=True).sort_ranks
+    assert not d.choose_launch(hi + 1, cut, 16, H200, deterministic=True).rank_chunks
     # the fused pair kernels keep per-warp counters
     pair = d.choose_pair(lo, 256, 16 * 256, 16, H200, deterministic=True)
-    assert pair is None or not pair.sort_ranks
+    assert pair is None or not pair.rank_chunks
 
 
 @pytest.mark.parametrize("numel,buckets", [(33, 1), (40, 2), (100, 4096), (4096, 4096),
                                            (2048, 1000), (500, 33 * 7)])
-def test_tiny_sorted_layout(numel, buckets):
-    """align_tiny_sorted's shared memory: raw starts, the scans' warp totals, two passes of
-    32 warps' counters a low digit (half the bucket bits rounded up, two more for banks),
-    the routes ordered by the low digit; the launch gives that after the counts."""
-    bits = max(0, (buckets - 1).bit_length())
-    stride = 2 ** ((bits + 1) // 2) + 2
-    assert d.tiny_sort_bytes(numel, buckets) == 4 * buckets + 256 + 4 * 32 * stride + 4 * numel
+def test_tiny_chunked_layout(numel, buckets):
+    """align_tiny_chunked's shared memory: raw starts, the scan's warp totals, a record a
+    route; the launch gives that after the counts."""
+    assert d.tiny_chunk_bytes(numel, buckets) == 4 * buckets + 128 + 4 * numel
     rows = -(-buckets // 256) if buckets > 1024 else 1
     launch = d.choose_launch(numel, buckets, rows, NO_COOP, deterministic=True,
-                             policy=dataclasses.replace(d.DEFAULT_POLICY, tiny_sort_ranks_from=0,
-                                                        tiny_sort_ranks_min_routes=0,
-                                                        tiny_sort_ranks_max_routes=1 << 62,
+                             policy=dataclasses.replace(d.DEFAULT_POLICY, tiny_chunk_ranks_from=0,
+                                                        tiny_chunk_ranks_min_routes=0,
+                                                        tiny_chunk_ranks_max_routes=1 << 62,
                                                         cluster_min_routes=1 << 30))
-    assert launch.sort_ranks
-    assert launch.smem_single == d.smem_one_block(buckets, rows) + d.tiny_sort_bytes(numel, buckets)
-    assert d.launch_kernels(launch) == [(("tiny_sorted", True), launch.grid, launch.block,
+    assert launch.rank_chunks
+    assert launch.smem_single == d.smem_one_block(buckets, rows) + d.tiny_chunk_bytes(numel, buckets)
+    assert d.launch_kernels(launch) == [(("tiny_chunked", True), launch.grid, launch.block,
                                          launch.smem_single, launch.fill_grid > 0)]
     d.check_launch(launch, numel, [(buckets, rows)], NO_COOP)
 
 
-def test_tiny_sorted_refuses_what_its_sort_cannot_pack():
-    every = dataclasses.replace(d.DEFAULT_POLICY, tiny_sort_ranks_max_routes=1 << 62)
+def test_tiny_chunked_refuses_past_its_block_or_in_free_order():
+    every = dataclasses.replace(d.DEFAULT_POLICY, tiny_chunk_ranks_max_routes=1 << 62)
     launch = d.choose_launch(4096, 4096, 16, NO_COOP, deterministic=True, policy=every)
-    assert launch.sort_ranks
+    assert launch.rank_chunks
     roomy = dataclasses.replace(launch, smem_single=launch.smem_single + 64)
     with pytest.raises(d.LaunchRefused, match="more than the 4096"):
         d.check_launch(roomy, 4097, [(4096, 16)], NO_COOP)

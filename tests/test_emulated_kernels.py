@@ -10,7 +10,6 @@ mistakes before a GPU round, and runs in CI."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import shutil
 import subprocess
@@ -461,11 +460,9 @@ def test_racecheck_names_a_missing_barrier(tmp_path):
         emulator.run(broken, Case(16, 8, 256, 16).job(True), seed=0)
 
 
-# align_tiny_sorted (deterministic ranks by a digit sort) and align_tiny_chunked (by the
-# chunks' groups) wherever align_tiny runs.
-SORTED_TINY_RANKS = AlignPolicy(tiny_sort_ranks_from=0, tiny_sort_ranks_min_routes=0,
-                                tiny_sort_ranks_max_routes=1 << 62)
-CHUNKED_TINY_RANKS = dataclasses.replace(SORTED_TINY_RANKS, tiny_rank_chunks=True)
+# align_tiny_chunked (deterministic ranks by the chunks' groups) wherever align_tiny runs.
+CHUNKED_TINY_RANKS = AlignPolicy(tiny_chunk_ranks_from=0, tiny_chunk_ranks_min_routes=0,
+                                 tiny_chunk_ranks_max_routes=1 << 62)
 
 # Tokens of K=8 routes from which the default policy runs the cluster (its pair included).
 CLUSTER_T = -(-_dispatch.DEFAULT_POLICY.cluster_min_routes // 8)
@@ -484,7 +481,6 @@ def _every_kernel(emu):
                                         (1024, 64, None, "shared", SORTED),
                                         (40, 64, 4, None, TINY_FILL["tiny_fill_blocks"]),
                                         (40, 64, 4, None, TINY_FILL["no_tiny_fill_blocks"]),
-                                        (40, 64, 4, None, SORTED_TINY_RANKS),
                                         (40, 64, 4, None, CHUNKED_TINY_RANKS)]:
         for det in (False, True):
             if not _refused(variant, det, T * 8, E, 1, policy):
@@ -690,14 +686,14 @@ def test_the_twice_probe_runs_align_tiny_twice_and_keeps_both_passes(tmp_path):
             assert second[0] > first[4]  # pass 2 entered after pass 1's stores
 
 
-# Deterministic align_tiny's ways to flat-order ranks (gpu_util.TINY_RANKS).
+# Deterministic align_tiny's two ways to flat-order ranks (gpu_util.TINY_RANKS).
 @pytest.mark.parametrize("how", list(TINY_RANKS))
 @pytest.mark.parametrize("fill", [True, False], ids=["fill_blocks", "no_fill_blocks"])
 @pytest.mark.parametrize("E,T,K,kind", [(64, 33, 1, "uniform"), (1024, 16, 8, "skewed"),
                                         (257, 255, 8, "uniform"), (7, 512, 8, "skewed"),
                                         (2, 100, 8, "uniform"), (1, 40, 8, "invalid"),
                                         (1000, 300, 8, "hot"), (1, 512, 8, "uniform")])
-def test_base_tiny_ranks_by_digit_sort_and_by_counters(emu, E, T, K, kind, fill, how):
+def test_base_tiny_ranks_by_chunks_and_by_counters(emu, E, T, K, kind, fill, how):
     policy = tiny_ranks_policy(T * K, E, 1, how, fill, emulator.LIMITS)
     for salt in range(2):
         _run(emu, Case(T, K, E, 16, seed=130 + salt, kind=kind,
@@ -711,7 +707,7 @@ def test_base_tiny_ranks_by_digit_sort_and_by_counters(emu, E, T, K, kind, fill,
                                            (64, 16, 16, "uniform"), (7, 100, 33, "skewed"),
                                            (256, 5, 16, "invalid"), (128, 2, 16, "uniform"),
                                            (256, 130, 16, "hot")])
-def test_lora_tiny_ranks_by_digit_sort_and_by_counters(emu, E, T, rows, kind, fill, how):
+def test_lora_tiny_ranks_by_chunks_and_by_counters(emu, E, T, rows, kind, fill, how):
     policy = tiny_ranks_policy(T * 8, rows * E, rows, how, fill, emulator.LIMITS)
     for salt in range(3):
         _run(emu, Case(T, 8, E, 16, rows=rows, seed=135 + salt, kind=kind,

@@ -452,7 +452,7 @@ def test_lora_tiny_with_and_without_fill_blocks(E, T, rows, det, how):
                    disabled=salt, use_map=salt == 2)
 
 
-# Deterministic align_tiny's ways to flat-order ranks (gpu_util.TINY_RANKS): a thread a
+# Deterministic align_tiny's two ways to flat-order ranks (gpu_util.TINY_RANKS): a thread a
 # bucket and four, one and two bucket bits, just past one warp's routes and 4096 routes; five
 # salts a case, so every routing kind (skewed, hot, invalid, duplicates) comes up; listed,
 # disabled and unprocessed rows.
@@ -460,7 +460,7 @@ def test_lora_tiny_with_and_without_fill_blocks(E, T, rows, det, how):
 @pytest.mark.parametrize("fill", [True, False], ids=["fill_blocks", "no_fill_blocks"])
 @pytest.mark.parametrize("E,T,K", [(64, 33, 1), (1024, 16, 8), (257, 255, 8), (7, 512, 8),
                                    (2, 100, 8), (1, 40, 8), (1000, 300, 8), (1, 512, 8)])
-def test_base_tiny_ranks_by_digit_sort_and_by_counters(E, T, K, fill, how):
+def test_base_tiny_ranks_by_chunks_and_by_counters(E, T, K, fill, how):
     policy = tiny_ranks_policy(T * K, E, 1, how, fill, mla._launch.device_limits(0))
     for salt in range(5):
         _base_case(E, T, None, True, salt=140 + salt, topk=K, policy=policy,
@@ -472,7 +472,7 @@ def test_base_tiny_ranks_by_digit_sort_and_by_counters(E, T, K, fill, how):
 @pytest.mark.parametrize("E,T,rows", [(256, 255, 16), (256, 512, 16), (64, 16, 16),
                                       (7, 100, 33), (256, 5, 16), (128, 2, 16), (256, 130, 16),
                                       (256, 256, 8)])
-def test_lora_tiny_ranks_by_digit_sort_and_by_counters(E, T, rows, fill, how):
+def test_lora_tiny_ranks_by_chunks_and_by_counters(E, T, rows, fill, how):
     policy = tiny_ranks_policy(T * 8, rows * E, rows, how, fill, mla._launch.device_limits(0))
     for salt in range(5):
         _lora_case(E, T, None, True, salt=145 + salt, topk=8, max_loras=rows, policy=policy,
