@@ -40,7 +40,8 @@ from moe_lora_align.bench import (DETERMINISTIC_OVER_DEFAULT, cases_matching,  #
                                   graph_target)
 from moe_lora_align.bench import traffic_bytes as bench_traffic_bytes  # noqa: E402
 
-CASES = [  # op ("... det": deterministic=True), T, E, K, B, L, as stage_probe.make_call takes
+CASES = [  # op ("... det": deterministic=True, "... skewed": skewed routing), T, E, K, B, L,
+    # as stage_probe.make_call takes
     ("base", 1, 64, 8, 16, None), ("base", 16, 256, 8, 16, None),
     ("base", 64, 256, 8, 16, None), ("base", 64, 512, 8, 16, None),
     ("base", 256, 128, 8, 16, None), ("base", 256, 256, 8, 16, None),
@@ -52,6 +53,16 @@ CASES = [  # op ("... det": deterministic=True), T, E, K, B, L, as stage_probe.m
     ("base det", 256, 256, 8, 16, None), ("base det", 1024, 512, 10, 64, None),
     ("base det", 16384, 256, 8, 64, None), ("lora det", 16, 256, 8, 16, 16),
     ("lora det", 256, 256, 8, 16, 16), ("lora det", 16384, 256, 8, 64, 16),
+    # the benchmark's other deterministic rows (its target: 1.3 times the default beside it),
+    # uniform and skewed routing
+    ("base", 65536, 256, 8, 64, None), ("base det", 65536, 256, 8, 64, None),
+    ("lora", 4096, 256, 8, 64, 16), ("lora det", 4096, 256, 8, 64, 16),
+    ("base skewed", 256, 256, 8, 16, None), ("base det skewed", 256, 256, 8, 16, None),
+    ("base skewed", 16384, 256, 8, 64, None), ("base det skewed", 16384, 256, 8, 64, None),
+    ("base skewed", 65536, 256, 8, 64, None), ("base det skewed", 65536, 256, 8, 64, None),
+    ("lora skewed", 256, 256, 8, 16, 16), ("lora det skewed", 256, 256, 8, 16, 16),
+    ("lora skewed", 4096, 256, 8, 64, 16), ("lora det skewed", 4096, 256, 8, 64, 16),
+    ("lora skewed", 16384, 256, 8, 64, 16), ("lora det skewed", 16384, 256, 8, 64, 16),
 ]
 
 # A kernel's entry: `__global__ void [attributes] name(params) {` (no braces before the body).
@@ -81,10 +92,11 @@ def target_of(case, graph: dict) -> float | None:
     times the default case's measured figure (when that case ran too)."""
     op, T, E, K, B, L = case
     kind, *flags = op.split()
-    if flags:
-        default = str((kind, T, E, K, B, L))
+    if "det" in flags:
+        default = str((" ".join([kind] + [f for f in flags if f != "det"]), T, E, K, B, L))
         return DETERMINISTIC_OVER_DEFAULT * graph[default] if default in graph else None
-    return graph_target({"op": kind, "tokens": T, "num_experts": E, "max_loras": L})
+    return graph_target({"op": kind, "tokens": T, "num_experts": E, "max_loras": L,
+                         "routing": "skewed" if "skewed" in flags else "uniform"})
 
 
 def span(stamps: np.ndarray, stage_names: dict) -> dict:

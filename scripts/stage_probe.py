@@ -140,10 +140,10 @@ POLICY = None  # --policy: the AlignPolicy every case runs under (None: the defa
 def make_call(case, stream, policy=None):
     policy = policy or POLICY
     op, T, E, K, B, L = case
-    op, *flags = op.split()
-    det = flags == ["det"]
+    op, *flags = op.split()  # flags: "det" (deterministic), "skewed" (the benchmark's routing)
+    det = "det" in flags
     rng = np.random.default_rng(T * 7 + E)
-    ids = cupy.asarray(routing(rng, T, K, E, "uniform"))
+    ids = cupy.asarray(routing(rng, T, K, E, "skewed" if "skewed" in flags else "uniform"))
     if op == "base":
         plan = mla.AlignPlan(T, K, E, B, deterministic=det, policy=policy)
         return lambda: plan(ids, stream=stream)
