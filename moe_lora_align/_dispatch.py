@@ -118,6 +118,14 @@ class AlignPolicy:
     tiny_chunk_ranks_from: int = 2048
     tiny_chunk_ranks_min_routes: int = 33
     tiny_chunk_ranks_max_routes: int = 2048
+    # Below that cut, from the first figure of buckets, the chunks take calls of the second
+    # figure of routes and more (up to tiny_chunk_ranks_max_routes). r49, 1024 buckets, the
+    # chunks against the counters (H200 at 7671437; H100 at 2b977d0): E=256 4 slots T=64
+    # 5.50 against 5.68 us (5.41 against 5.67), T=256 8.62 against 9.67 (8.54 against
+    # 9.67); E=64 K=6 16 slots T=256 7.77 against 8.16 (7.73 against 8.16); with 96 routes
+    # (E=64 K=6 16 slots T=16) they lost, 5.23 against 4.62.
+    tiny_chunk_ranks_mid_buckets: int = 1024
+    tiny_chunk_ranks_mid_min_routes: int = 512
     cluster_over_staged_from: int = 4097
     cluster_over_staged_from_deterministic: int = 2304
     cluster_over_staged_entries: int = 16384
@@ -346,10 +354,15 @@ def tiny_chunk_bytes(numel: int, num_buckets: int) -> int:
 def tiny_ranks_by_chunks(numel: int, num_buckets: int,
                          policy: AlignPolicy = DEFAULT_POLICY) -> bool:
     """Deterministic align_tiny ranks through its chunks' groups (align_tiny_chunked): from
-    ``policy.tiny_chunk_ranks_from`` buckets, for the policy's range of routes (past one
-    warp's, which rank in lane order on one warp)."""
-    return (num_buckets >= policy.tiny_chunk_ranks_from and numel > WARP_ROUTES
-            and policy.tiny_chunk_ranks_min_routes <= numel <= policy.tiny_chunk_ranks_max_routes)
+    ``policy.tiny_chunk_ranks_from`` buckets for the policy's range of routes, and from
+    ``tiny_chunk_ranks_mid_buckets`` for ``tiny_chunk_ranks_mid_min_routes`` routes and more
+    (never one warp's, which rank in lane order on one warp)."""
+    if numel <= WARP_ROUTES or numel > policy.tiny_chunk_ranks_max_routes:
+        return False
+    if num_buckets >= policy.tiny_chunk_ranks_from:
+        return numel >= policy.tiny_chunk_ranks_min_routes
+    return (num_buckets >= policy.tiny_chunk_ranks_mid_buckets
+            and numel >= policy.tiny_chunk_ranks_mid_min_routes)
 
 
 def tiny_fill_blocks(numel: int, out_entries: int, rows: int, limits: DeviceLimits,

@@ -45,6 +45,7 @@ def delayed_copy(src, dst, cycles, blocks=64):
 # calls stay on align_tiny.
 TINY_RANKS = {
     how: {fill: mla.AlignPolicy(tiny_chunk_ranks_from=0 if how == "chunk_groups" else 1 << 62,
+                                tiny_chunk_ranks_mid_buckets=1 << 62,
                                 tiny_chunk_ranks_min_routes=0,
                                 tiny_chunk_ranks_max_routes=1 << 62,
                                 tiny_fill_blocks_from=0 if fill else 1 << 62,

@@ -16,7 +16,8 @@ NO_CLUSTERS = d.DeviceLimits(sm_count=132, smem_optin=232448, cooperative=True)
 ORDERED = dataclasses.replace(d.DEFAULT_POLICY, sort_for_determinism=False)
 SORTED = dataclasses.replace(d.DEFAULT_POLICY, sort_min_buckets=0)
 # deterministic align_tiny with a counter a bucket a warp only (no chunks' groups)
-COUNTERS = dataclasses.replace(d.DEFAULT_POLICY, tiny_chunk_ranks_from=1 << 62)
+COUNTERS = dataclasses.replace(d.DEFAULT_POLICY, tiny_chunk_ranks_from=1 << 62,
+                               tiny_chunk_ranks_mid_buckets=1 << 62)
 CMIN = d.DEFAULT_POLICY.cluster_min_routes
 CMAX = d.DEFAULT_POLICY.cluster_max_routes
 
@@ -1005,6 +1006,22 @@ def test_tiny_chunked_ranks_from_its_bucket_cut_for_its_routes():
     # the fused pair kernels keep per-warp counters
     pair = d.choose_pair(lo, 256, 16 * 256, 16, H200, deterministic=True)
     assert pair is None or not pair.rank_chunks
+
+
+def test_tiny_chunked_ranks_below_the_cut_from_the_mid_routes():
+    """From tiny_chunk_ranks_mid_buckets buckets (below the cut) the chunks take calls of
+    tiny_chunk_ranks_mid_min_routes routes and more, up to the same route bound."""
+    pol = dataclasses.replace(d.DEFAULT_POLICY, cluster_min_routes=1 << 30)
+    mid, lo = pol.tiny_chunk_ranks_mid_buckets, pol.tiny_chunk_ranks_mid_min_routes
+    cut, hi = pol.tiny_chunk_ranks_from, pol.tiny_chunk_ranks_max_routes
+    assert mid < cut and pol.tiny_chunk_ranks_min_routes < lo <= hi
+    for buckets, routes, want in [(mid, lo, True), (mid, hi, True), (cut - 1, lo, True),
+                                  (mid, lo - 1, False), (mid - 1, lo, False),
+                                  (mid, hi + 1, False), (cut - 1, lo - 1, False)]:
+        assert d.tiny_ranks_by_chunks(routes, buckets, pol) == want, (buckets, routes)
+        rows = -(-buckets // 256)
+        launch = d.choose_launch(routes, buckets, rows, NO_COOP, deterministic=True, policy=pol)
+        assert launch.tiny and launch.rank_chunks == want, (buckets, routes)
 
 
 @pytest.mark.parametrize("numel,buckets", [(33, 1), (40, 2), (100, 4096), (4096, 4096),
