@@ -362,25 +362,17 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
   __syncthreads();
   MLA_STAMP(0, 3);
 
-  if (CHUNKED) {
-    // Each group's offset among its bucket's earlier groups, then its lanes' stores.
+  if (CHUNKED) {  // each group's offset among its bucket's earlier groups, into rank
     rank_groups_in_flat_order(chunks, rank, bucket, group, items, nb, routes);
     MLA_STAMP(0, 7);
+  }
 #pragma unroll
-    for (int j = 0; j < TINY_ITEMS; ++j) {
-      if (j >= items || bucket[j] < 0) continue;
-      p.sorted_ids[BASE ? starts[bucket[j]] + rank[j] : output_index(p, starts, bucket[j], rank[j])] =
-          route_index(j);
-    }
-  } else {
-#pragma unroll
-    for (int j = 0; j < TINY_ITEMS; ++j) {
-      if (bucket[j] < 0) continue;
-      const int r = DET ? rank[j] + warp_counts[warp * stride + bucket[j]] : rank[j];
-      if (STAGED) image[starts[bucket[j]] + r] = route_index(j);
-      else p.sorted_ids[BASE ? starts[bucket[j]] + r : output_index(p, starts, bucket[j], r)] =
-          route_index(j);
-    }
+  for (int j = 0; j < TINY_ITEMS; ++j) {
+    if (bucket[j] < 0) continue;  // (DET: so are the items past `items`)
+    const int r = DET && !CHUNKED ? rank[j] + warp_counts[warp * stride + bucket[j]] : rank[j];
+    if (STAGED) image[starts[bucket[j]] + r] = route_index(j);
+    else p.sorted_ids[BASE ? starts[bucket[j]] + r : output_index(p, starts, bucket[j], r)] =
+        route_index(j);
   }
   // Tiles of this thread's buckets (only processed rows have counts).
 #pragma unroll

@@ -29,8 +29,6 @@ CLUSTER_ITEMS = 8             # CLUSTER_ITEMS: align_cluster's routes a thread, 
 ORDER_ITEMS = 4               # ORDER_ITEMS: entries a lane holds in the segment sort's warps
 ORDER_WARP_MAX = 32 * ORDER_ITEMS  # segments up to this long are sorted by a warp
 ORDER_DIGITS_MAX = 4096       # ORDER_DIGITS_MAX: segment entries a block sorts by digits
-CHUNK_RANKS_MAX_ROUTES = 1 << 12  # align_tiny_chunked's routes, at most: TINY_ITEMS (4) a
-                                   #   thread of one block of BLOCK
 SINGLE_BLOCK_MAX_ROUTES = BLOCK * ITEMS_PER_THREAD
 WARP_COUNTER_MAX = 65535      # unsigned short per-warp counters bound a deterministic chunk
 SMEM_SLACK = 512              # bytes of a block's shared memory kept for the kernels' static
@@ -1002,8 +1000,9 @@ def check_launch(launch, numel: int, sides, limits: DeviceLimits) -> None:
                    "blocks")
         elif kernel in TINY_KERNELS and launch.fill_grid and grid > limits.sm_count:
             why = f"{grid} blocks cannot all be resident on {limits.sm_count} SMs"
-        elif kernel == "tiny_chunked" and numel > CHUNK_RANKS_MAX_ROUTES:
-            why = f"{numel} routes, more than the {CHUNK_RANKS_MAX_ROUTES} its one block ranks"
+        elif kernel in TINY_KERNELS and numel > TINY_ITEMS * block:
+            why = (f"{numel} routes, more than the {TINY_ITEMS * block} one block of {block} "
+                   f"threads holds ({TINY_ITEMS} a thread)")
         elif kernel == "tiny_chunked" and not launch.deterministic:
             why = "a free-order call (its ranks are the deterministic ones)"
         elif kernel == "cooperative" and launch.chunk > COOP_ITEMS * block:
