@@ -2,7 +2,7 @@
 
   python3 scripts/tiny_experiment.py [--json PATH] [--baseline DIR] [--variant NAME=DIR]...
                                      [--runs NAME,...] [--run NAME=FIELD=INT,...[:det]]...
-                                     [--cases PART|PART...] [--turns N]
+                                     [--cases PART|PART...] [--turns N] [--routing skewed]
 
 Every case is timed with graph replay (moe_lora_align.bench.graph_us) under each of RUNS'
 dispatcher settings: align_tiny as dispatched ("tiny"), align_tiny with four buckets a
@@ -22,7 +22,8 @@ Sources of earlier commits (``--baseline``, ``--variant``) run without fill bloc
 sources in DIR under the default dispatcher but a thread per bucket up to 1024 buckets
 (NAME=DIR:1: sources that have only that; NAME=DIR:det: with ``deterministic=True``). Runs
 take turns (``--turns``, three by default), so drift hits all; each result is checked
-against the NumPy backend first.
+against the NumPy backend first. ``--routing skewed`` draws every case's routes as the
+benchmark's skewed rows (most routes on a few hot experts) instead of uniformly.
 """
 from __future__ import annotations
 
@@ -81,12 +82,13 @@ CASES = [  # op, T, E, K, B, L
 ]
 
 
-def make_call(case, stream, det=False, policy=None):
+def make_call(case, stream, det=False, policy=None, kind="uniform"):
     """A checked callable of one case through the public paths (plans for base and pair),
-    dispatched with ``policy`` (an ``AlignPolicy``; None: the default)."""
+    dispatched with ``policy`` (an ``AlignPolicy``; None: the default); ``kind``: the
+    routing (bench.routing)."""
     op, T, E, K, B, L = case
     rng = np.random.default_rng(T * 7 + E)
-    ids = routing(rng, T, K, E, "uniform")
+    ids = routing(rng, T, K, E, kind)
     d_ids = cupy.asarray(ids)
     if op == "base":
         plan = mla.AlignPlan(T, K, E, B, deterministic=det, policy=policy)
@@ -207,6 +209,7 @@ def main():
     ap.add_argument("--turns", type=int, default=3, help="turns of every run per case")
     ap.add_argument("--cases", default="",
                     help="'|'-separated parts of the printed case tuples to keep (default: all)")
+    ap.add_argument("--routing", choices=("uniform", "skewed"), default="uniform")
     args = ap.parse_args()
     stream = cupy.cuda.Stream(non_blocking=True)
     report = {}
@@ -216,7 +219,7 @@ def main():
     if args.baseline:
         runs.append(("base tiny", ONE, args.baseline.resolve(), True, False))
     print(f"{'case':40s} " + " ".join(f"{n:>10s}" for n, _, _, _, _ in runs)
-          + f"   (graph us, median of {args.turns} in turn)")
+          + f"   (graph us, median of {args.turns} in turn; {args.routing} routing)")
     by_name = {r[0]: r for r in runs}
     for case in cases_matching(CASES, args.cases):
         op, T, E, K, B, L = case
@@ -226,7 +229,8 @@ def main():
             if one_only and E * (L or 1) > 1024:
                 return None  # kernels with a thread per bucket only
             use_kernels(directory)
-            return graph_us(make_call(case, stream, det, mla.AlignPolicy(**settings)), stream)
+            return graph_us(make_call(case, stream, det, mla.AlignPolicy(**settings),
+                                      args.routing), stream)
 
         med, times = medians_in_turns(list(by_name), time_run, args.turns)
         use_kernels(None)

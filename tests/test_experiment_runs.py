@@ -89,7 +89,9 @@ def test_the_next_rounds_ab_lines_name_runs_and_cases_that_exist(experiment, mon
             args = args[1:]
         opts = dict(zip(args[::2], args[1::2]))
         assert len(args) % 2 == 0 and set(args[::2]) <= {"--runs", "--cases", "--variant",
-                                                          "--baseline", "--run", "--turns"}, line
+                                                          "--baseline", "--run", "--turns",
+                                                          "--routing"}, line
+        assert opts.get("--routing", "uniform") in ("uniform", "skewed"), line
         assert set(opts["--runs"].split(",")) <= names, line
         assert int(opts.get("--turns", 3)) >= 1, line
         parts = [p for p in opts.get("--cases", "").split("|") if p]
