@@ -136,19 +136,16 @@ __device__ __forceinline__ int share_start(const int* sums, int inclusive, int o
 // align_tiny_chunked's flat-order ranks over many buckets (CHUNKED in align_tiny_buckets),
 // without a counter a bucket a warp (4096 buckets x 32 warps is 256 KB). A chunk is one item
 // of a warp: 32 routes in flat order, and the chunks follow the flat index too. A chunk's
-// lanes of one bucket form a group (a multi-split), whose lowest lane makes one shared atomic
-// on the bucket's count: it adds the group's size to the routes (low CHUNK_GROUP_SHIFT bits)
-// and one to the groups (the bits above), which gives the group a free-order index among its
-// bucket's groups. After the scan (of the padded routes, and beside it of the groups) each
-// group leaves a record (chunk << 8 | size) at its bucket's group start plus its index, and
-// its leader reads the bucket's records, which lie side by side, summing the sizes of
-// earlier chunks' groups: the group's offset in flat order, to which each lane adds its rank
-// in the group. The reads do not depend on each other, so they overlap. A walk reads one
-// record a group of its bucket: about one for spread routing, numel / 32 when every route
-// shares a bucket. A bucket of one group has nothing to walk, and writes no record.
-// Shared memory after the counts: raw[nb] int (the groups' starts) | sums[32] int (their
+// lanes of one bucket form a group (a multi-split), whose lowest lane adds the group's size
+// to the bucket's count in one shared atomic: that gives the group a free-order place in its
+// bucket's unpadded segment. After the scan each group leaves a record (chunk << 8 | size) at
+// that place, and its leader walks its bucket's records, group to group, summing the sizes
+// of earlier chunks' groups: the group's offset in flat order, to which each lane adds its
+// rank in the group. A walk visits one record per group of its bucket: about one for spread
+// routing, numel / 32 when every route shares a bucket. A bucket of one group has nothing to
+// walk, and writes no record.
+// Shared memory after the counts: raw[nb] int (unpadded starts) | sums[32] int (the raw
 // scan's warp totals) | records[numel] int.
-#define CHUNK_GROUP_SHIFT 16  // routes < 2^16 (align_tiny takes at most TINY_ITEMS a thread)
 struct ChunkRanks {
   int* raw;
   int* sums;
@@ -160,7 +157,7 @@ struct ChunkRanks {
 struct ChunkGroup {
   int leader;  // the group's lowest lane
   int size;    // its lanes
-  int slot;    // on the leader: the group's free-order index among its bucket's groups
+  int slot;    // on the leader: the group's free-order place in its bucket
 };
 
 // A chunk's claim: the lane's rank in its group; `g` gets the group. Every lane calls it;
@@ -172,18 +169,18 @@ __device__ __forceinline__ int claim_group(int* counts, int bucket, int nbits, C
   g.size = __popc(peers);
   g.slot = 0;
   if (bucket >= 0 && (int)(threadIdx.x & 31) == g.leader)
-    g.slot = atomicAdd(counts + bucket, (1 << CHUNK_GROUP_SHIFT) + g.size) >> CHUNK_GROUP_SHIFT;
+    g.slot = atomicAdd(counts + bucket, g.size);
   return __popc(peers & lanemask_lt());
 }
 
 // The groups' records, a barrier, and each leader's walk; rank[j] becomes the route's rank
-// in flat order within its bucket. After the scan (raw holds the groups' starts, `groups`
+// in flat order within its bucket. After the scan (raw holds the unpadded starts, `routes`
 // their total); every thread calls it.
 __device__ __forceinline__ void rank_groups_in_flat_order(const ChunkRanks& s,
                                                           int (&rank)[TINY_ITEMS],
                                                           const int (&bucket)[TINY_ITEMS],
                                                           const ChunkGroup (&group)[TINY_ITEMS],
-                                                          int items, int nb, int groups) {
+                                                          int items, int nb, int routes) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   int first[TINY_ITEMS], end[TINY_ITEMS];  // on a leader: its bucket's records
 #pragma unroll
@@ -192,8 +189,8 @@ __device__ __forceinline__ void rank_groups_in_flat_order(const ChunkRanks& s,
     if (j < items && bucket[j] >= 0 && lane == group[j].leader) {
       const int b = bucket[j];
       first[j] = s.raw[b];
-      end[j] = b + 1 < nb ? s.raw[b + 1] : groups;
-      if (end[j] - first[j] == 1) end[j] = first[j];  // the bucket's only group
+      end[j] = b + 1 < nb ? s.raw[b + 1] : routes;
+      if (end[j] - first[j] == group[j].size) end[j] = first[j];  // the bucket's only group
       else s.records[first[j] + group[j].slot] = ((warp * items + j) << 8) | group[j].size;
     }
   }
@@ -203,10 +200,11 @@ __device__ __forceinline__ void rank_groups_in_flat_order(const ChunkRanks& s,
     if (j >= items) continue;  // the same on every lane
     const int chunk = warp * items + j;
     int before = 0;
-#pragma unroll 4
-    for (int at = first[j]; at < end[j]; ++at) {
+#pragma unroll 1
+    for (int at = first[j]; at < end[j];) {
       const int record = s.records[at];
-      before += (record >> 8) < chunk ? record & 255 : 0;
+      if ((record >> 8) < chunk) before += record & 255;
+      at += record & 255;
     }
     rank[j] += __shfl_sync(MLA_FULL_MASK, before, group[j].leader);
   }
@@ -246,7 +244,7 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
   const auto route_index = [&](int j) {
     return DET ? (j < items ? (warp * items + j) * 32 + lane : p.numel) : j * bd + tid;
   };
-  // CHUNKED, after the counts: raw[nb] (the groups' starts) | sums[32] | records[numel]
+  // CHUNKED, after the counts: raw[nb] (unpadded starts) | sums[32] | records[numel]
   // (ChunkRanks).
   const ChunkRanks chunks(starts + nb + 1, nb);
   MLA_STAMP(0, 0);
@@ -314,23 +312,19 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
 
   // Padded exclusive scan, this thread's buckets in this thread: warp scan of the threads'
   // sums, then every warp scans the warp totals itself (no serial phase of warp 0).
-  int padded[PER], sum = 0, count[PER], count_sum = 0;  // count: CHUNKED's groups
+  int padded[PER], sum = 0, count[PER], count_sum = 0;  // count: CHUNKED's unpadded scan
 #pragma unroll
   for (int q = 0; q < PER; ++q) {
     const int b = first + q;
-    int c = b >= nb ? 0
-                    : DET && !CHUNKED ? prefix_over_warps(warp_counts + b, stride, route_warps) : starts[b];
-    if (CHUNKED) {  // routes and groups in one count (claim_group)
-      count[q] = c >> CHUNK_GROUP_SHIFT;
-      count_sum += count[q];
-      c &= (1 << CHUNK_GROUP_SHIFT) - 1;
-    }
+    const int c = b >= nb ? 0
+                      : DET && !CHUNKED ? prefix_over_warps(warp_counts + b, stride, route_warps) : starts[b];
     padded[q] = b < nb ? padded_count(p, c) : 0;
     sum += padded[q];
+    if (CHUNKED) { count[q] = c; count_sum += c; }
   }
   const int x = warp_inclusive_sum(sum);
   if (lane == 31) warp_sums[warp] = x;
-  // CHUNKED: the groups' starts share the scan's barriers.
+  // CHUNKED: the unpadded starts share the scan's barriers.
   int x_count = 0;
   if (CHUNKED) {
     x_count = warp_inclusive_sum(count_sum);
@@ -348,9 +342,9 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
   for (int q = 0; q < PER; ++q)  // each thread overwrites only the counts it read
     if (first + q < nb) starts[first + q] = start[q];
   if (tid == 0) starts[nb] = total;
-  int groups = 0;  // CHUNKED: every bucket's groups
+  int routes = 0;  // CHUNKED: the routes that have a bucket
   if (CHUNKED) {
-    int run = share_start(chunks.sums, x_count, count_sum, &groups);
+    int run = share_start(chunks.sums, x_count, count_sum, &routes);
 #pragma unroll
     for (int q = 0; q < PER; ++q) {
       if (first + q < nb) chunks.raw[first + q] = run;
@@ -369,7 +363,7 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
   MLA_STAMP(0, 3);
 
   if (CHUNKED) {  // each group's offset among its bucket's earlier groups, into rank
-    rank_groups_in_flat_order(chunks, rank, bucket, group, items, nb, groups);
+    rank_groups_in_flat_order(chunks, rank, bucket, group, items, nb, routes);
     MLA_STAMP(0, 7);
   }
 #pragma unroll

@@ -344,7 +344,7 @@ def tiny_warp_counter_bytes(numel: int, block: int, num_buckets: int) -> int:
 
 def tiny_chunk_bytes(numel: int, num_buckets: int) -> int:
     """align_tiny_chunked's shared memory past the counts (kernels/one_block.cuh: ChunkRanks):
-    the groups' starts, their scan's warp totals, and a record a route (at most; one a group
+    the unpadded starts, the scan's warp totals, and a record a route (at most; one a group
     of a warp's routes of one bucket)."""
     return 4 * num_buckets + 4 * 32 + 4 * numel
 
