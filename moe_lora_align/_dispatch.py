@@ -379,9 +379,10 @@ def tiny_fill_blocks(numel: int, out_entries: int, rows: int, limits: DeviceLimi
 
 def _single_block(numel, num_buckets, rows, deterministic, limits, out_entries=0,
                   use_tiny=True, policy: AlignPolicy = DEFAULT_POLICY, fill_blocks=True,
-                  rank_chunks=True):
+                  rank_chunks=True, lora=False):
     """``rank_chunks``: a deterministic align_tiny may rank through its chunks' groups (not
-    in the fused pair kernels, which keep per-warp counters)."""
+    in the fused pair kernels, which keep per-warp counters). ``lora``: a LoRA alignment,
+    whose one row align_tiny_staged does not stage (it stages base rows only)."""
     if numel > SINGLE_BLOCK_MAX_ROUTES:
         return None
     base = smem_one_block(num_buckets, rows)
@@ -399,7 +400,7 @@ def _single_block(numel, num_buckets, rows, deterministic, limits, out_entries=0
         smem = base + (tiny_warp_counter_bytes(numel, tiny, num_buckets) if deterministic else 0)
         # the staged base row (a bound: out_entries holds the row and its tiles; 0, unknown)
         staged = _align16(smem) + 4 * out_entries
-        if (fill_blocks and not fill and rows == 1 and out_entries > 0
+        if (fill_blocks and not fill and rows == 1 and not lora and out_entries > 0
                 and numel >= policy.tiny_stage_from
                 and numel > WARP_ROUTES and num_buckets <= tiny
                 and staged <= limits.dynamic_smem):
@@ -595,11 +596,13 @@ def in_cluster_range(numel: int, num_buckets: int, policy: AlignPolicy,
 
 def choose_launch(numel: int, num_buckets: int, rows: int, limits: DeviceLimits, *,
                   deterministic: bool = False, variant: str | None = None,
-                  out_entries: int = 0, policy: AlignPolicy = DEFAULT_POLICY) -> Launch:
+                  out_entries: int = 0, policy: AlignPolicy = DEFAULT_POLICY,
+                  lora: bool = False) -> Launch:
     """Pick the variant and launch geometry of one alignment.
 
     ``num_buckets`` is ``rows * num_experts``; ``out_entries`` the output entries written
-    (``rows * (P + M)``), which sizes the single block and the fill's share of blocks.
+    (``rows * (P + M)``), which sizes the single block and the fill's share of blocks;
+    ``lora``: a LoRA alignment (even of one slot: only base rows are staged).
     ``variant`` forces a kernel family: "shared" (one block, else count + place with shared
     histograms), "global" (count + place, global counters) or "cooperative" (one launch of
     resident blocks) or "cluster" (one cluster of blocks, sm_90 and newer); forcing one that
@@ -620,7 +623,8 @@ def choose_launch(numel: int, num_buckets: int, rows: int, limits: DeviceLimits,
         # align_order.
         try:
             fast = choose_launch(numel, num_buckets, rows, replace(limits, clusters=False),
-                                 variant=variant, out_entries=out_entries, policy=policy)
+                                 variant=variant, out_entries=out_entries, policy=policy,
+                                 lora=lora)
         except ValueError:
             fast = None  # the forced variant refuses these sizes: its ordered kernels decide
         sorted_launch = fast and _sorted_after(fast, numel, num_buckets, limits)
@@ -634,7 +638,7 @@ def choose_launch(numel: int, num_buckets: int, rows: int, limits: DeviceLimits,
     coop = single = None
     if variant in (None, "shared"):
         single = _single_block(numel, num_buckets, rows, deterministic, limits, out_entries,
-                               policy=policy)
+                               policy=policy, lora=lora)
     staged = (single is not None and single.stage_output
               and numel < (policy.cluster_over_staged_from_deterministic if deterministic
                            else policy.cluster_over_staged_from)

@@ -307,13 +307,14 @@ def launch_kernel(ks, key, grid: int, block: int, smem: int, stream, *jobs,
 @functools.lru_cache(maxsize=4096)
 def checked_launch(numel: int, num_buckets: int, rows: int, limits: _dispatch.DeviceLimits,
                    deterministic: bool, variant, out_entries: int,
-                   policy: _dispatch.AlignPolicy = _dispatch.DEFAULT_POLICY
-                   ) -> _dispatch.Launch:
+                   policy: _dispatch.AlignPolicy = _dispatch.DEFAULT_POLICY,
+                   lora: bool = False) -> _dispatch.Launch:
     """The dispatcher's choice for these sizes, checked against what its kernels need
-    (``_dispatch.check_launch``) before anything is launched. Pure, so cached."""
+    (``_dispatch.check_launch``) before anything is launched. Pure, so cached. ``lora``:
+    a LoRA alignment (``choose_launch``)."""
     launch = _dispatch.choose_launch(numel, num_buckets, rows, limits,
                                      deterministic=deterministic, variant=variant,
-                                     out_entries=out_entries, policy=policy)
+                                     out_entries=out_entries, policy=policy, lora=lora)
     _dispatch.check_launch(launch, numel, [(num_buckets, rows)], limits)
     return launch
 
@@ -321,7 +322,8 @@ def checked_launch(numel: int, num_buckets: int, rows: int, limits: _dispatch.De
 def plan_launch(job: Job, device_id: int, variant=None,
                 policy: _dispatch.AlignPolicy = _dispatch.DEFAULT_POLICY) -> _dispatch.Launch:
     return checked_launch(job.numel, job.num_buckets, job.rows, device_limits(device_id),
-                          job.deterministic, variant, out_entries(job), policy)
+                          job.deterministic, variant, out_entries(job), policy,
+                          job.token_slot is not None)
 
 
 def out_entries(job: Job) -> int:
@@ -365,7 +367,7 @@ def scratch_bytes(numel: int, num_experts: int, block_size: int, *, max_loras=No
                                "moe_lora_align._dispatch.DeviceLimits.h200())") from None
     nb = rows * num_experts
     launch = checked_launch(numel, nb, rows, limits, deterministic, variant, rows * (P + M),
-                            policy)
+                            policy, max_loras is not None)
     b, m = workspace_needs(launch, nb)
     return 4 * workspace_entries(max(b, 1), max(m, 1))
 

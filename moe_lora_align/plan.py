@@ -151,7 +151,8 @@ class AlignPlan:
         if self.max_loras is not None:
             nb = self.max_loras * E
             lora = checked_launch(numel, nb, self.max_loras, self.limits, self.deterministic,
-                                  self.variant, self.max_loras * (P + M), self.policy)
+                                  self.variant, self.max_loras * (P + M), self.policy,
+                                  lora=True)
             self._lora_ws.ensure(*workspace_needs(lora, nb))
 
     # ---- calls: the public functions' path, with the plan's buffers and workspaces -------

@@ -65,6 +65,7 @@ CASES = [  # op, T, E, K, B, L
     ("lora", 512, 256, 8, 64, 16), ("pair", 16, 256, 8, 16, 16), ("pair", 256, 256, 8, 16, 16),
     # 2048 routes over a few slots: align_tiny or the cluster (cluster_min_routes)
     ("lora", 256, 256, 8, 16, 1), ("lora", 256, 256, 8, 16, 2), ("pair", 256, 256, 8, 16, 1),
+    ("lora", 512, 256, 8, 16, 1),
     ("pair", 256, 256, 8, 64, 16),
     ("pair", 1, 64, 8, 16, 4), ("pair", 64, 128, 8, 16, 4), ("pair", 256, 64, 8, 16, 16),
     # the mid band past align_tiny's routes: the cluster, or without it ("no cluster") the

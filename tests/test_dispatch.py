@@ -940,6 +940,11 @@ def test_tiny_staged_base_row():
     assert not d.choose_launch(cut - 1, 256, 1, H200, out_entries=P + M).stage_output
     assert d.choose_launch(cut, 256, 1, H200, out_entries=P + M).stage_output
     assert not d.choose_launch(2048, 256, 1, H200).stage_output
+    # a LoRA row of one slot is not a base row: never staged, so the cluster may take it
+    one_slot = d.choose_launch(cut, 256, 1, H200, out_entries=P + M, lora=True)
+    assert not one_slot.stage_output and one_slot.kind == "single"
+    assert d.choose_launch(2560, 256, 1, H200, out_entries=2560 + 256 * 15 + 176,
+                           lora=True).kind == "cluster"
     # the mid band's cluster range: staged below cluster_over_staged_from, else the cluster
     for numel, expect in ((2560, "single"), (4096, "single")):
         assert d.choose_launch(numel, 512, 1, H200, out_entries=numel + 512 * 15 + 400).kind \
