@@ -20,12 +20,18 @@ COUNTERS = dataclasses.replace(d.DEFAULT_POLICY, tiny_chunk_ranks_from=1 << 62,
                                tiny_chunk_ranks_mid_buckets=1 << 62)
 CMIN = d.DEFAULT_POLICY.cluster_min_routes
 CMAX = d.DEFAULT_POLICY.cluster_max_routes
+# over at most cluster_few_buckets buckets the cluster starts earlier
+CFEW = CMIN - d.DEFAULT_POLICY.cluster_few_buckets_routes_earlier
+FEW = d.DEFAULT_POLICY.cluster_few_buckets
 
 
 @pytest.mark.parametrize("numel,buckets,rows,limits,det,variant,expect", [
     # decode sizes: one block, one launch
     (8, 64, 1, H200, False, None, ("shared", "single", 1)),
-    (CMIN - 1, 256, 1, H200, False, None, ("shared", "single", 1)),
+    (CFEW - 1, 256, 1, H200, False, None, ("shared", "single", 1)),
+    (CFEW, FEW, 2, H200, False, None, ("cluster", "cluster", 1)),
+    (CMIN - 1, 2 * FEW, 4, H200, False, None, ("shared", "single", 1)),
+    (CMIN, 2 * FEW, 4, H200, False, None, ("cluster", "cluster", 1)),
     (2048, 16 * 256, 16, H200, False, None, ("shared", "single", 1)),
     # cluster_min_routes to cluster_max_routes (deterministic: 12K) routes over at most 1024
     # buckets: one cluster, where the device has them
@@ -39,7 +45,8 @@ CMAX = d.DEFAULT_POLICY.cluster_max_routes
     (4097, 256, 1, H200, True, None, ("cluster", "cluster", 1)),
     (12289, 256, 1, H200, True, None, ("cooperative", "cooperative", 1)),
     (4096, 8192, 1, H200, False, None, ("shared", "single", 1)),
-    (CMIN - 1, 256, 1, H200, True, None, ("shared", "single", 1)),
+    (CFEW - 1, 256, 1, H200, True, None, ("shared", "single", 1)),
+    (CFEW, 256, 1, H200, True, None, ("cluster", "cluster", 1)),
     (CMIN, 256, 1, H200, True, None, ("cluster", "cluster", 1)),
     (CMIN, 256, 1, NO_CLUSTERS, True, None, ("shared", "single", 1)),
     # prefill sizes: one cooperative launch where it can run, else count + place
