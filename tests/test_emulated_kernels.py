@@ -304,12 +304,18 @@ def test_one_warp_limit(emu, routes):
 # changes its shape (on the emulated device: 4 SMs): (routes, experts, rows, variant).
 _POL = _dispatch.DEFAULT_POLICY
 _COOP_MOST = emulator.LIMITS.sm_count * _dispatch.COOP_ITEMS * _dispatch.BLOCK
+_CFEW = _POL.cluster_min_routes - _POL.cluster_few_buckets_routes_earlier
 LIMIT_SIZES = [
     (_POL.one_route_per_thread, 64, None, None), (_POL.one_route_per_thread + 1, 64, None, None),
     (_dispatch.SINGLE_BLOCK_MAX_ROUTES, 64, None, "shared"),
     (_dispatch.SINGLE_BLOCK_MAX_ROUTES + 1, 64, None, "shared"),
     (100, _POL.tiny_one_bucket_max, None, None), (100, _POL.tiny_one_bucket_max + 1, None, None),
     (_POL.cluster_min_routes - 1, 256, None, None), (_POL.cluster_min_routes, 256, None, None),
+    # over few buckets (LoRA of one slot; four slots of 128: 512 buckets, of 160: 640) the
+    # cluster starts earlier
+    (_CFEW - 1, 256, 1, None), (_CFEW, 256, 1, None),
+    (_CFEW, _POL.cluster_few_buckets // 4, 4, None),
+    (_CFEW, _POL.cluster_few_buckets // 4 + 32, 4, None),
     (_POL.tiny_stage_from - 1, 256, None, None), (_POL.tiny_stage_from, 256, None, None),
     (_POL.cluster_over_staged_from - 1, 256, None, None),
     (_POL.cluster_over_staged_from, 256, None, None),
