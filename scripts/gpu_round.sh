@@ -32,6 +32,11 @@
 #              (counting argument lines only, from 1; default all); AB_S: seconds each.
 #              A line "tree=DIR ARGS" runs DIR's script and package (another commit's tree).
 #              Into ab.txt, and the results of every line into ab.json
+#   anchors    scripts/anchors_replay.py: every anchors row in graph replay, for the package of
+#              ANCHORS_TREE (default ab_53c4e4e: `git archive 53c4e4e moe_lora_align kernels`
+#              unpacked there and carried) and for this checkout, ANCHORS_TURNS turns (default
+#              2) in alternating order; replay.json (every run), and anchors_compare.py's
+#              verdict of each turn in replay.txt
 # Every step's exit status and summary lines also go to $OUT/summary.txt (one small file, for
 # when the returned output or files are cut short).
 # Old spellings: quick = tests memcheck racecheck bench; full = the same with benchfull.
@@ -175,6 +180,22 @@ for s in $STEPS; do
         finish "ab$n" "${PIPESTATUS[0]}"
       done < "${AB_FILE:-scripts/ab_runs.txt}"
       python3 -c 'import glob, json, sys; json.dump({p[5:-5]: json.load(open(p)) for p in sorted(glob.glob("/tmp/ab[0-9]*.json"))}, open(sys.argv[1], "w"), indent=1)' "$OUT/ab.json" ;;
+    anchors)
+      step "every anchors row: this checkout against ${ANCHORS_TREE:-ab_53c4e4e}"
+      rm -f /tmp/replay_*.json; : > "$OUT/replay.txt"; rc=0
+      for turn in $(seq "${ANCHORS_TURNS:-2}"); do
+        order="old now"; [ $((turn % 2)) = 0 ] && order="now old"  # drift hits both
+        for who in $order; do
+          tree=(); [ $who = old ] && tree=(--tree "${ANCHORS_TREE:-ab_53c4e4e}")
+          timeout ${ANCHORS_S:-200} python3 scripts/anchors_replay.py "${tree[@]}" \
+            --json /tmp/replay_${who}_$turn.json > /dev/null 2>&1 || rc=$?
+        done
+        python3 scripts/anchors_compare.py /tmp/replay_now_$turn.json \
+          --against /tmp/replay_old_$turn.json >> "$OUT/replay.txt" 2>&1 || rc=$?
+      done
+      python3 -c 'import glob, json, sys; json.dump({p[5:-5]: json.load(open(p)) for p in sorted(glob.glob("/tmp/replay_*.json"))}, open(sys.argv[1], "w"), indent=0)' "$OUT/replay.json"
+      grep -E "baseline rows timed|over:" "$OUT/replay.txt"
+      finish anchors "$rc" ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac
 done
