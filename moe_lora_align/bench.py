@@ -417,7 +417,7 @@ def bench_single(row, kind, stream, quick, remeasure=None):
     P, M = mla.buffer_sizes(T * K, E, B)
     launches = mla._dispatch.choose_launch(
         T * K, (L or 1) * E, L or 1, mla._launch.device_limits(cupy.cuda.Device().id),
-        out_entries=(L or 1) * (P + M)).launches
+        out_entries=(L or 1) * (P + M), lora=bool(L)).launches
     result["floor_us"] = floor_us(op, T, K, E, B, L or 1, launches)
     result["reference_graph_us"] = row.get("graph_us")
     result["reference_eager_us"] = row.get("eager_us")
