@@ -28,7 +28,9 @@ GRAPH_CALLS, REPLAYS = 20, 30
 
 
 def graph_us(fn, stream):
-    """Per-call time of ``fn`` captured GRAPH_CALLS times in one graph, median of replays."""
+    """Per-call time of ``fn`` captured GRAPH_CALLS times in one graph, median of replays:
+    the benchmark's method (``bench.graph_us``), kept in this script so that both trees are
+    timed by the same code whatever either package's benchmark holds."""
     import cupy
 
     with stream:
