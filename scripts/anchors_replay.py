@@ -13,45 +13,17 @@ It uses only what both commits have: ``moe_align_block_size``, ``moe_lora_align_
 and ``buffer_sizes``, with the anchors' inputs (K distinct experts per token drawn uniformly;
 LoRA: tokens uniform over the slots, ``lora_ids`` the used slots padded with -1, every
 adapter enabled; ``pad_sorted_ids=True``). Each call's expert ids and padded counts are
-checked against the same package's NumPy backend before it is timed.
+checked against the same package's NumPy backend before it is timed, and timed by this
+checkout's benchmark (``bench.graph_us``) whichever package runs.
 """
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-GRAPH_CALLS, REPLAYS = 20, 30
-
-
-def graph_us(fn, stream):
-    """Per-call time of ``fn`` captured GRAPH_CALLS times in one graph, median of replays:
-    the benchmark's method (``bench.graph_us``), kept in this script so that both trees are
-    timed by the same code whatever either package's benchmark holds."""
-    import cupy
-
-    with stream:
-        for _ in range(3):
-            fn()
-        stream.synchronize()
-        stream.begin_capture()
-        for _ in range(GRAPH_CALLS):
-            fn()
-        graph = stream.end_capture()
-        for _ in range(3):
-            graph.launch(stream)
-        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-        times = []
-        for _ in range(REPLAYS):
-            start.record(stream)
-            graph.launch(stream)
-            stop.record(stream)
-            stop.synchronize()
-            times.append(cupy.cuda.get_elapsed_time(start, stop) * 1e3 / GRAPH_CALLS)
-    return statistics.median(times)
 
 
 def inputs(row):
@@ -69,7 +41,7 @@ def inputs(row):
     return ids, mapping, lora_ids, np.ones(L + 1, np.int32)
 
 
-def time_row(mla, row, stream):
+def time_row(mla, row, stream, graph_us):
     import cupy
 
     T, E, K, B, L = (row["tokens"], row["num_experts"], row["topk"], row["block_size"],
@@ -112,8 +84,14 @@ def main():
     args = ap.parse_args()
 
     rows = json.loads((ROOT / "moe_lora_align" / "data" / "anchors_h200.json").read_text())["rows"]
+    # This checkout's timing and case filter time both trees alike.
+    sys.path.insert(0, str(ROOT))
+    from moe_lora_align.bench import cases_matching, graph_us
     tree = (args.tree or ROOT).resolve()
-    sys.path.insert(0, str(tree))
+    if tree != ROOT:  # the package under test, imported afresh from the other tree
+        for name in [m for m in sys.modules if m.split(".")[0] == "moe_lora_align"]:
+            del sys.modules[name]
+        sys.path.insert(0, str(tree))
     import moe_lora_align as mla
     if Path(mla.__file__).resolve().parent.parent != tree:
         raise SystemExit(f"imported {mla.__file__}, not the package under {tree}")
@@ -122,12 +100,10 @@ def main():
     stream = cupy.cuda.Stream(non_blocking=True)
     props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
     results = []
-    for row in rows:
-        key = (row["op"], row["tokens"], row["num_experts"], row["topk"], row["block_size"],
-               row.get("max_loras"))
-        if args.cases and not any(part in str(key) for part in args.cases.split("|") if part):
-            continue
-        us = time_row(mla, row, stream)
+    by_key = {(r["op"], r["tokens"], r["num_experts"], r["topk"], r["block_size"],
+               r.get("max_loras")): r for r in rows}
+    for key in cases_matching(list(by_key), args.cases):
+        us = time_row(mla, by_key[key], stream, graph_us)
         print(f"{str(key):42} {us:8.2f}", flush=True)
         results.append(dict(zip(("op", "tokens", "num_experts", "topk", "block_size",
                                  "max_loras"), key), graph_us=us))
