@@ -37,32 +37,25 @@ def uniform_rows(run):
             if r["op"] != "pair" and r.get("routing", "uniform") == "uniform"}
 
 
-def compare(bench, anchors, slack, against=None):
-    """The table and whether a row is over the slack; ``against``: a baseline run's JSON
-    (the same card's), whose figures replace the anchors' project column."""
+def compare(bench, baseline_rows, column, slack):
+    """The table and whether a row is over the slack: ``bench``'s graph times against
+    ``baseline_rows``' ``column`` (the anchors' project column, or another run's graph_us),
+    and against the peers' figures where the rows have them."""
     ours = uniform_rows(bench)
-    if against is not None:
-        column = "graph_us"
-        base = uniform_rows(against)
-        anchors = {"rows": [dict(r, sglang_graph_us=None, vllm_graph_us=None)
-                            for r in base.values()]}
-    else:
-        column = project_column(anchors["rows"])
     lines, over, behind, timed = [], [], [], 0
     lines.append(f"{'op':5} {'T':>6} {'E':>5} {'K':>3} {'B':>4} {'L':>3} "
                  f"{'anchor':>8} {'now':>8} {'now/anc':>8} {'sglang':>8} {'vllm':>8}")
-    for a in anchors["rows"]:
+    for a in baseline_rows:
         r = ours.get(row_key(a))
         if r is None:
             continue
         timed += 1
         now, was = r["graph_us"], a[column]
         ratio = now / was
-        peer = min((x for x in (a.get("sglang_graph_us"), a.get("vllm_graph_us")) if x),
-                   default=None)
+        sglang, vllm = a.get("sglang_graph_us"), a.get("vllm_graph_us")
+        peer = min((x for x in (sglang, vllm) if x), default=None)
         label = (f"{a['op']:5} {a['tokens']:6d} {a['num_experts']:5d} {a['topk']:3d} "
                  f"{a['block_size']:4d} {a.get('max_loras') or '':>3}")
-        sglang, vllm = a.get("sglang_graph_us"), a.get("vllm_graph_us")
         lines.append(f"{label} {was:8.2f} {now:8.2f} {ratio:8.3f} "
                      f"{sglang if sglang else '-':>8} {vllm if vllm else '-':>8}")
         if ratio > 1 + slack:
@@ -70,7 +63,7 @@ def compare(bench, anchors, slack, against=None):
         if peer is not None and now > peer:
             behind.append(f"{label}  {now:.2f} vs best peer {peer:.2f}")
     lines.append("")
-    lines.append(f"{timed} of {len(anchors['rows'])} baseline rows timed; column {column}; "
+    lines.append(f"{timed} of {len(baseline_rows)} baseline rows timed; column {column}; "
                  f"{len(over)} more than {slack:.0%} slower than it; "
                  f"{len(behind)} behind the best peer")
     lines += [f"  over: {x}" for x in over] + [f"  behind: {x}" for x in behind]
@@ -91,11 +84,13 @@ def main():
         against = json.loads(Path(args.against).read_text())
         if against.get("versions", {}).get("device") != device:
             raise SystemExit("the two runs come from different devices")
-        text, failed = compare(bench, None, args.slack, against)
+        text, failed = compare(bench, list(uniform_rows(against).values()), "graph_us",
+                               args.slack)
     else:
         if "H200" not in device:
             raise SystemExit(f"the anchors were measured on an H200; this ran on {device!r}")
-        text, failed = compare(bench, json.loads(Path(args.anchors).read_text()), args.slack)
+        rows = json.loads(Path(args.anchors).read_text())["rows"]
+        text, failed = compare(bench, rows, project_column(rows), args.slack)
     print(text)
     sys.exit(1 if failed else 0)
 

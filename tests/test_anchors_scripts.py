@@ -37,7 +37,7 @@ BASE_ROWS = [("base", 256, 256, 8, 16, None, 4.00), ("lora", 16, 256, 8, 16, 16,
 def test_rows_past_the_slack_are_named():
     baseline = _run("H100", BASE_ROWS)
     now = _run("H100", [BASE_ROWS[0][:-1] + (4.10,), BASE_ROWS[1][:-1] + (5.20,)])
-    text, over = anchors_compare.compare(now, None, 0.03, baseline)
+    text, over = anchors_compare.compare(now, baseline["results"], "graph_us", 0.03)
     assert over
     assert "2 of 2 baseline rows timed" in text and "1 more than 3% slower" in text
     assert "16   256   8   16  16  5.20 vs 5.00 (1.040x)" in text
@@ -46,7 +46,7 @@ def test_rows_past_the_slack_are_named():
 def test_within_the_slack_passes():
     baseline = _run("H100", BASE_ROWS)
     now = _run("H100", [r[:-1] + (r[-1] * 1.02,) for r in BASE_ROWS])
-    assert not anchors_compare.compare(now, None, 0.03, baseline)[1]
+    assert not anchors_compare.compare(now, baseline["results"], "graph_us", 0.03)[1]
 
 
 def test_runs_from_two_cards_are_refused(tmp_path):
