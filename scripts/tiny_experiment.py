@@ -82,6 +82,10 @@ CASES = [  # op, T, E, K, B, L
     ("base", 32768, 256, 8, 64, None), ("lora", 2048, 256, 8, 64, 16),
     ("lora", 8192, 256, 8, 64, 4), ("lora", 3072, 256, 8, 64, 16),
     ("lora", 24576, 256, 8, 64, 2),
+    # the anchors' rows nearest the 3 % rule on the H100 (r50): few experts at 65536 tokens,
+    # and one slot of 16 tokens
+    ("base", 65536, 64, 8, 64, None), ("base", 65536, 128, 8, 64, None),
+    ("lora", 16, 128, 4, 16, 1),
 ]
 
 
