@@ -95,6 +95,12 @@ class AlignPolicy:
     # 11.39 against 13.05 us; below 2^18 entries the split won: base T=4096 6.76 against 8.06).
     coop_fill_sms_from: int = 1 << 18
     coop_fill_sm_entries: int = 32768
+    # ... and only where the output entries are at least this many times the routes: rows
+    # of two or more slots, whose fill outweighs their routes. One row's fill is about its
+    # routes, and there the counting blocks filling first on every SM won (r51, H100, A/B
+    # line 14: base T=65536 E=64 10.18 against 10.35 us, E=128 10.45 against 10.65; LoRA
+    # T=16384 16 slots kept its fill SMs: 14.63 against 15.49 without).
+    coop_fill_sms_min_entries_per_route: int = 2
     # From this many output entries align_tiny (past one warp's routes) gets fill blocks:
     # a block per fill_per_block entries writes the fill while block 0 counts. LoRA rows
     # gain at every size since r44's faster fill blocks (r45, H100: T=16 E=64 16 slots 3.90
@@ -482,16 +488,18 @@ def _cooperative(numel, num_buckets, rows, limits, out_entries, deterministic=Fa
     of per-warp counters for ordered ranks) does not fit. Deterministic: the way the policy
     prefers (``sorts_segments``), else the other where only it fits.
 
-    Where ``fill_blocks``, ``coop_fill_sms_from`` and ``coop_fill_blocks_from`` allow, one
-    block of BLOCK threads an SM: counting blocks, then fill blocks that only write the
-    sentinel fill, on SMs of their own. Else, where ``coop_fill_blocks`` allows, blocks of
+    Where ``fill_blocks``, ``coop_fill_sms_from``, ``coop_fill_blocks_from`` and
+    ``coop_fill_sms_min_entries_per_route`` allow, one block of BLOCK threads an SM:
+    counting blocks, then fill blocks that only write the sentinel fill, on SMs of their
+    own. Else, where ``coop_fill_blocks`` allows, blocks of
     FILL_SPLIT_BLOCK threads, two an SM: counting blocks, then fill blocks. Else (or where
     neither fits) one block of BLOCK threads an SM, the counting blocks filling too. Every
     block is resident whatever the occupancy."""
     if not limits.cooperative:
         return None
-    if fill_blocks and out_entries >= max(policy.coop_fill_sms_from,
-                                          policy.coop_fill_blocks_from):
+    if (fill_blocks and out_entries >= max(policy.coop_fill_sms_from,
+                                           policy.coop_fill_blocks_from)
+            and out_entries >= policy.coop_fill_sms_min_entries_per_route * numel):
         whole = _cooperative_blocks(numel, num_buckets, rows, limits, out_entries,
                                     deterministic, policy, BLOCK, fill_sms=True)
         if whole is not None:

@@ -85,7 +85,7 @@ CASES = [  # op, T, E, K, B, L
     # the anchors' rows nearest the 3 % rule on the H100 (r50): few experts at 65536 tokens,
     # and one slot of 16 tokens
     ("base", 65536, 64, 8, 64, None), ("base", 65536, 128, 8, 64, None),
-    ("lora", 16, 128, 4, 16, 1),
+    ("base", 65536, 512, 10, 64, None), ("lora", 16, 128, 4, 16, 1),
 ]
 
 

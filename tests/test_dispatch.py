@@ -176,7 +176,7 @@ def test_deterministic_calls_sort_after_the_fast_kernels():
 
 NO_FILL_BLOCKS = d.AlignPolicy(coop_fill_blocks_from=1 << 62)
 ALL_FILL_BLOCKS = d.AlignPolicy(coop_fill_blocks_below=1 << 62, coop_fill_sms_from=1 << 62)
-FILL_SMS = d.AlignPolicy(coop_fill_sms_from=0)
+FILL_SMS = d.AlignPolicy(coop_fill_sms_from=0, coop_fill_sms_min_entries_per_route=0)
 SPLIT_ONLY = d.AlignPolicy(coop_fill_sms_from=1 << 62)  # the split's own bounds, as before r47
 
 
@@ -237,6 +237,38 @@ def test_fill_blocks_on_sms_of_their_own():
     assert not pair.base.fill_grid and not pair.lora.fill_grid
 
 
+def test_fill_sms_only_where_the_fill_outweighs_the_routes():
+    # From coop_fill_sms_from entries, fill SMs where the entries are at least
+    # coop_fill_sms_min_entries_per_route times the routes: LoRA rows of two or more slots.
+    # One row (base, or one slot) keeps every SM counting and filling (r51, A/B line 14).
+    ratio = d.DEFAULT_POLICY.coop_fill_sms_min_entries_per_route
+    assert ratio == 2
+    for T, E, K, slots, sms in ((65536, 64, 8, 1, False), (65536, 256, 8, 1, False),
+                                (65536, 512, 10, 1, False), (32768, 256, 8, 1, False),
+                                (16384, 256, 8, 2, True), (16384, 256, 8, 16, True),
+                                (4096, 256, 8, 16, True), (8192, 256, 8, 4, True)):
+        P, M = buffer_sizes(T * K, E, 64)
+        entries = slots * (P + M)
+        assert entries >= d.DEFAULT_POLICY.coop_fill_sms_from
+        for det in (False, True):
+            launch = d.choose_launch(T * K, slots * E, slots, H200, out_entries=entries,
+                                     deterministic=det)
+            if launch.sorted:  # the segment sort spreads over every SM itself
+                continue
+            assert launch.kind == "cooperative", (T, slots, det)
+            assert bool(launch.fill_grid) == sms and launch.block == d.BLOCK, (T, slots, det)
+    # Both sides of the cut, at the same routes
+    numel = 200000  # past coop_fill_blocks_free_routes: no split fill blocks either
+    for entries, sms in ((ratio * numel - 1, False), (ratio * numel, True)):
+        launch = d.choose_launch(numel, 1024, 4, H200, out_entries=entries,
+                                 variant="cooperative")
+        assert bool(launch.fill_grid) == sms and launch.block == d.BLOCK, entries
+    # Off: every call past coop_fill_sms_from, as r47 to r50
+    off = d.AlignPolicy(coop_fill_sms_min_entries_per_route=0)
+    P, M = buffer_sizes(65536 * 8, 256, 64)
+    assert d.choose_launch(65536 * 8, 256, 1, H200, out_entries=P + M, policy=off).fill_grid
+
+
 def test_cooperative_fill_spreads_over_the_sms():
     # LoRA T=4096, 16 slots, E=256, B=64: 16 rows of sentinels to write
     entries = 16 * (48896 + 764)
@@ -283,11 +315,11 @@ def test_fill_blocks_of_free_order_calls_with_few_routes():
             assert bool(launch.fill_grid) == want, (numel, entries, det)
     # The r41 cases of the LoRA A/B line (E=256, K=8, B=64): T=2048 16 slots and T=16384
     # 4 slots take them, T=4096 16 slots (794K entries) and base T=32768 do not; by default
-    # (r47) all four have fill SMs.
+    # (r47) the LoRA rows have fill SMs, and since r51 one row (base T=32768) has none.
     for T, slots, split in ((2048, 16, True), (16384, 4, True), (4096, 16, False),
                             (32768, 1, False)):
         P, M = buffer_sizes(T * 8, 256, 64)
-        for pol, want in ((SPLIT_ONLY, split), (d.DEFAULT_POLICY, True)):
+        for pol, want in ((SPLIT_ONLY, split), (d.DEFAULT_POLICY, slots > 1)):
             launch = d.choose_launch(T * 8, slots * 256, slots, H200,
                                      out_entries=slots * (P + M), policy=pol)
             assert launch.kind == "cooperative" and bool(launch.fill_grid) == want, T
@@ -306,7 +338,8 @@ def test_fill_blocks_where_they_apply():
         assert launch.block == (d.FILL_SPLIT_BLOCK if split else d.BLOCK)
     below = d.DEFAULT_POLICY.coop_fill_blocks_below
     for entries, block in ((below - 1, d.FILL_SPLIT_BLOCK), (below, d.BLOCK)):  # then fill SMs
-        launch = d.choose_launch(32768 * 8, 256, 1, H200, out_entries=entries)
+        launch = d.choose_launch(32768 * 8, 256, 1, H200, out_entries=entries,
+                                 policy=d.AlignPolicy(coop_fill_sms_min_entries_per_route=0))
         assert launch.fill_grid and launch.block == block
         launch = d.choose_launch(32768 * 8, 256, 1, H200, out_entries=entries,
                                  policy=SPLIT_ONLY)

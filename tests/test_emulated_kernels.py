@@ -521,6 +521,7 @@ def _every_kernel(emu):
 COOP_FILL = {"fill_blocks": AlignPolicy(coop_fill_blocks_from=0, coop_fill_sms_from=1 << 62,
                                         coop_fill_blocks_below=1 << 62),
              "fill_sms": AlignPolicy(coop_fill_sms_from=0, coop_fill_sm_entries=4096,
+                                     coop_fill_sms_min_entries_per_route=0,
                                      coop_fill_blocks_below=0, coop_fill_blocks_free_below=0),
              "no_fill_blocks": AlignPolicy(coop_fill_blocks_from=1 << 62)}
 SPLIT_MOST = emulator.LIMITS.sm_count * _dispatch.COOP_ITEMS * _dispatch.FILL_SPLIT_BLOCK

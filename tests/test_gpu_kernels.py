@@ -64,9 +64,10 @@ def _base_case(E, T, variant, deterministic, salt, *, expert_map_mode=None, scat
 
 
 def _lora_case(E, T, variant, deterministic, salt, *, max_loras=None, with_ids=True,
-               disabled=1, allocate=False, use_map=False, topk=None, policy=None):
+               disabled=1, allocate=False, use_map=False, topk=None, policy=None,
+               block_size=None):
     rng, K, B, dtype, kind = _case_params(E, T, salt)
-    K = topk or K
+    K, B = topk or K, block_size or B
     if max_loras is None:
         max_loras = (1, 4, 16)[(E + T + salt) % 3]
     ids = make_routing(rng, T, K, E, dtype, kind)
@@ -324,6 +325,7 @@ COOP_FILL = {"fill_blocks": mla.AlignPolicy(coop_fill_blocks_from=0,
                                             coop_fill_sms_from=1 << 62,
                                             coop_fill_blocks_below=1 << 62),
              "fill_sms": mla.AlignPolicy(coop_fill_sms_from=0, coop_fill_sm_entries=8192,
+                                         coop_fill_sms_min_entries_per_route=0,
                                          coop_fill_blocks_below=0,
                                          coop_fill_blocks_free_below=0),
              "no_fill_blocks": mla.AlignPolicy(coop_fill_blocks_from=1 << 62)}
@@ -406,6 +408,43 @@ def test_base_staged_cuts(at, det):
                                          deterministic=det, out_entries=P + M)
     assert launch.stage_output == (at in ("stage", "below_cluster"))
     _base_case(E, numel, None, det, salt=130, topk=1, block_size=B)
+
+
+@pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
+@pytest.mark.parametrize("rows,numel", [(1, 2047), (1, 2048), (2, 2048), (4, 2048), (4, 2304)])
+def test_lora_cluster_cut_over_few_buckets(rows, numel, det):
+    """The default dispatcher on both sides of the cluster's lower bound for LoRA calls of
+    few slots (cluster_few_buckets: over at most 512 buckets it starts at 2048 routes, over
+    more at cluster_min_routes; K=1, so routes are tokens)."""
+    pol = mla._dispatch.DEFAULT_POLICY
+    E, B = 256, 16
+    P, M = mla.buffer_sizes(numel, E, B)
+    launch = mla._dispatch.choose_launch(numel, rows * E, rows, mla._launch.device_limits(0),
+                                         deterministic=det, out_entries=rows * (P + M),
+                                         lora=True)
+    least = pol.cluster_min_routes - (pol.cluster_few_buckets_routes_earlier
+                                      if rows * E <= pol.cluster_few_buckets else 0)
+    assert (launch.kind == "cluster") == (numel >= least), launch
+    _lora_case(E, numel, None, det, salt=140 + rows, max_loras=rows, topk=1, block_size=B)
+
+
+@pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
+@pytest.mark.parametrize("op", ["base", "lora"])
+def test_fill_sms_by_entries_per_route(op, det):
+    """The default dispatcher past coop_fill_sms_from: one row (base) without fill SMs, its
+    entries about its routes; two slots (twice the entries a route) with them."""
+    E, K, B, T = 64, 8, 64, 32768
+    rows = 1 if op == "base" else 2
+    P, M = mla.buffer_sizes(T * K, E, B)
+    launch = mla._dispatch.choose_launch(T * K, rows * E, rows, mla._launch.device_limits(0),
+                                         deterministic=det, out_entries=rows * (P + M),
+                                         lora=op == "lora")
+    assert launch.kind == "cooperative" and launch.block == mla._dispatch.BLOCK
+    assert bool(launch.fill_grid) == (rows > 1 and not launch.sorted), launch
+    if op == "base":
+        _base_case(E, T, None, det, salt=150, topk=K, block_size=B)
+    else:
+        _lora_case(E, T, None, det, salt=151, max_loras=rows, topk=K, block_size=B)
 
 
 @pytest.mark.parametrize("how", list(TINY_FILL))
