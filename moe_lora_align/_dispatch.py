@@ -98,8 +98,8 @@ class AlignPolicy:
     # ... and only where the output entries are at least this many times the routes: rows
     # of two or more slots, whose fill outweighs their routes. One row's fill is about its
     # routes, and there the counting blocks filling first on every SM won (r51, H100, A/B
-    # line 14: base T=65536 E=64 10.18 against 10.35 us, E=128 10.45 against 10.65; LoRA
-    # T=16384 16 slots kept its fill SMs: 14.63 against 15.49 without).
+    # line 16: base T=65536 E=64 10.27 against 10.32 us, deterministic 13.32 against 13.52;
+    # LoRA T=16384 16 slots kept its fill SMs: 14.63 against 15.49 without, line 14).
     coop_fill_sms_min_entries_per_route: int = 2
     # From this many output entries align_tiny (past one warp's routes) gets fill blocks:
     # a block per fill_per_block entries writes the fill while block 0 counts. LoRA rows
