@@ -26,9 +26,7 @@
 // The blocks' order among each other already follows the chunks' (`before`).
 // After the row region: hist[nb] | starts[nb + 1] | before[nb] ints | DET: warp_counts[nwarps
 // * stride] ushort, stride = nb rounded up to even.
-#ifndef CLUSTER_BLOCKS  // an experiment's build may set 16 (sm_90's non-portable maximum)
 #define CLUSTER_BLOCKS 8  // blocks of one cluster: the portable maximum
-#endif
 #define CLUSTER_ITEMS 8   // routes a thread, at most: chunk <= CLUSTER_ITEMS * blockDim.x
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
