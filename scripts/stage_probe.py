@@ -86,6 +86,8 @@ CASES = [  # op ("... det": deterministic=True), T, E, K, B, L
     ("base", 16, 64, 8, 16, None), ("base", 16, 256, 8, 16, None),
     ("base", 64, 256, 8, 16, None), ("lora", 16, 256, 8, 16, 16),
     ("lora det", 256, 256, 8, 16, 16),
+    # one slot against one base row of the same routes: the anchors' row over 3 % (r51)
+    ("lora", 16, 128, 4, 16, 1), ("base", 16, 128, 4, 16, None),
 ]
 STAGES = {0: ["entry", "rows+fill", "claim", "scan", "stores", "end", "wait from",
               "group walk"],
