@@ -86,6 +86,7 @@ CASES = [  # op, T, E, K, B, L
     # and one slot of 16 tokens
     ("base", 65536, 64, 8, 64, None), ("base", 65536, 128, 8, 64, None),
     ("base", 65536, 512, 10, 64, None), ("lora", 16, 128, 4, 16, 1),
+    ("lora", 16, 256, 8, 16, 1), ("lora", 16, 64, 6, 16, 1),
 ]
 
 
