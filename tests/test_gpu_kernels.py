@@ -64,12 +64,14 @@ def _base_case(E, T, variant, deterministic, salt, *, expert_map_mode=None, scat
 
 
 def _lora_case(E, T, variant, deterministic, salt, *, max_loras=None, with_ids=True,
-               disabled=1, allocate=False, use_map=False, topk=None, policy=None,
+               disabled=None, allocate=False, use_map=False, topk=None, policy=None,
                block_size=None):
     rng, K, B, dtype, kind = _case_params(E, T, salt)
     K, B = topk or K, block_size or B
     if max_loras is None:
         max_loras = (1, 4, 16)[(E + T + salt) % 3]
+    if disabled is None:  # one slot disabled, unless it is the only one (nothing to align)
+        disabled = 1 if max_loras > 1 else 0
     ids = make_routing(rng, T, K, E, dtype, kind)
     mapping, lora_ids, enabled = make_lora(rng, T, max_loras, disabled=disabled)
     if not with_ids:
@@ -425,9 +427,7 @@ def test_lora_cluster_cut_over_few_buckets(rows, numel, det):
     least = pol.cluster_min_routes - (pol.cluster_few_buckets_routes_earlier
                                       if rows * E <= pol.cluster_few_buckets else 0)
     assert (launch.kind == "cluster") == (numel >= least), launch
-    # (one slot enabled: the default disables one, which for one slot leaves nothing to align)
-    _lora_case(E, numel, None, det, salt=140 + rows, max_loras=rows, topk=1, block_size=B,
-               disabled=0 if rows == 1 else 1)
+    _lora_case(E, numel, None, det, salt=140 + rows, max_loras=rows, topk=1, block_size=B)
 
 
 @pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
