@@ -491,10 +491,10 @@ def _cooperative(numel, num_buckets, rows, limits, out_entries, deterministic=Fa
     Where ``fill_blocks``, ``coop_fill_sms_from``, ``coop_fill_blocks_from`` and
     ``coop_fill_sms_min_entries_per_route`` allow, one block of BLOCK threads an SM:
     counting blocks, then fill blocks that only write the sentinel fill, on SMs of their
-    own. Else, where ``coop_fill_blocks`` allows, blocks of
-    FILL_SPLIT_BLOCK threads, two an SM: counting blocks, then fill blocks. Else (or where
-    neither fits) one block of BLOCK threads an SM, the counting blocks filling too. Every
-    block is resident whatever the occupancy."""
+    own. Else, where ``coop_fill_blocks`` allows, blocks of FILL_SPLIT_BLOCK threads, two
+    an SM: counting blocks, then fill blocks. Else (or where neither fits) one block of
+    BLOCK threads an SM, the counting blocks filling too. Every block is resident whatever
+    the occupancy."""
     if not limits.cooperative:
         return None
     if (fill_blocks and out_entries >= max(policy.coop_fill_sms_from,
