@@ -413,20 +413,19 @@ def test_base_staged_cuts(at, det):
 
 
 @pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
-@pytest.mark.parametrize("rows,numel", [(1, 2047), (1, 2048), (2, 2048), (4, 2048), (4, 2304)])
-def test_lora_cluster_cut_over_few_buckets(rows, numel, det):
+@pytest.mark.parametrize("rows,numel,cluster", [(1, 2047, False), (1, 2048, True),
+                                                (2, 2048, True), (4, 2048, False),
+                                                (4, 2304, True)])
+def test_lora_cluster_cut_over_few_buckets(rows, numel, cluster, det):
     """The default dispatcher on both sides of the cluster's lower bound for LoRA calls of
     few slots (cluster_few_buckets: over at most 512 buckets it starts at 2048 routes, over
     more at cluster_min_routes; K=1, so routes are tokens)."""
-    pol = mla._dispatch.DEFAULT_POLICY
     E, B = 256, 16
     P, M = mla.buffer_sizes(numel, E, B)
     launch = mla._dispatch.choose_launch(numel, rows * E, rows, mla._launch.device_limits(0),
                                          deterministic=det, out_entries=rows * (P + M),
                                          lora=True)
-    least = pol.cluster_min_routes - (pol.cluster_few_buckets_routes_earlier
-                                      if rows * E <= pol.cluster_few_buckets else 0)
-    assert (launch.kind == "cluster") == (numel >= least), launch
+    assert (launch.kind == "cluster") == cluster, launch
     _lora_case(E, numel, None, det, salt=140 + rows, max_loras=rows, topk=1, block_size=B)
 
 
