@@ -65,6 +65,10 @@ stamps() {
     file=${1%.txt}_policy.txt
   done
 }
+# The JSON files matching a glob (under /tmp) as one file, keyed by name less /tmp/ and .json.
+merge_json() {  # glob, output
+  python3 -c 'import glob, json, sys; json.dump({p[5:-5]: json.load(open(p)) for p in sorted(glob.glob(sys.argv[1]))}, open(sys.argv[2], "w"), indent=0)' "$1" "$2"
+}
 STEPS="$*"
 [ "$STEPS" = quick ] || [ -z "$STEPS" ] && STEPS="tests memcheck racecheck bench"
 [ "$STEPS" = full ] && STEPS="tests memcheck racecheck benchfull"
@@ -179,7 +183,7 @@ for s in $STEPS; do
           --json "/tmp/ab$n.json" < /dev/null 2>&1 | tee -a "$OUT/ab.txt" | tail -30
         finish "ab$n" "${PIPESTATUS[0]}"
       done < "${AB_FILE:-scripts/ab_runs.txt}"
-      python3 -c 'import glob, json, sys; json.dump({p[5:-5]: json.load(open(p)) for p in sorted(glob.glob("/tmp/ab[0-9]*.json"))}, open(sys.argv[1], "w"), indent=1)' "$OUT/ab.json" ;;
+      merge_json "/tmp/ab[0-9]*.json" "$OUT/ab.json" ;;
     anchors)
       step "every anchors row: this checkout against ${ANCHORS_TREE:-ab_53c4e4e}"
       rm -f /tmp/replay_*.json; : > "$OUT/replay.txt"; rc=0
@@ -193,7 +197,7 @@ for s in $STEPS; do
         python3 scripts/anchors_compare.py /tmp/replay_now_$turn.json \
           --against /tmp/replay_old_$turn.json >> "$OUT/replay.txt" 2>&1 || rc=$?
       done
-      python3 -c 'import glob, json, sys; json.dump({p[5:-5]: json.load(open(p)) for p in sorted(glob.glob("/tmp/replay_*.json"))}, open(sys.argv[1], "w"), indent=0)' "$OUT/replay.json"
+      merge_json "/tmp/replay_*.json" "$OUT/replay.json"
       grep -E "baseline rows timed|over:" "$OUT/replay.txt"
       finish anchors "$rc" ;;
     *) echo "unknown step $s"; exit 2 ;;
