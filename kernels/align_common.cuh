@@ -115,6 +115,55 @@ __device__ __forceinline__ unsigned warp_or(unsigned v) {
 #endif
 }
 
+// The processed rows of up to 32 rows as bits in a register, read like the shared flags.
+struct RowBits {
+  unsigned bits;
+  __device__ __forceinline__ bool operator[](int r) const { return (bits >> r) & 1u; }
+};
+
+// What a lane reads for the RowBits of a call with at most 32 rows: its entries of lora_ids
+// (at most 33 listed: two a lane) and its slot's enabled flag. Loaded apart from row_bits so
+// a caller can issue the loads early and combine them after a barrier.
+struct RowFlagLoads {
+  int s0, s1;
+  bool on;
+};
+
+__device__ __forceinline__ RowFlagLoads load_row_flags(const Problem& p) {
+  const int lane = threadIdx.x & 31;
+  const int listed = p.lora_ids == nullptr ? 0 : min(p.lora_ids_len, p.rows + 1);
+  return {lane < listed ? p.lora_ids[lane] : -1, lane + 32 < listed ? p.lora_ids[lane + 32] : -1,
+          lane < p.rows && adapter_on(p, lane)};
+}
+
+// The warp's RowBits from its lanes' loads: the same rows as mark_processed_rows, with no
+// shared memory and no barrier. Every lane calls it.
+__device__ __forceinline__ RowBits row_bits(const Problem& p, const RowFlagLoads& f) {
+  const int listed = p.lora_ids == nullptr ? 0 : min(p.lora_ids_len, p.rows + 1);
+  const unsigned mine = (f.s0 >= 0 && f.s0 < p.rows ? 1u << f.s0 : 0u) |
+                        (f.s1 >= 0 && f.s1 < p.rows ? 1u << f.s1 : 0u);
+  const unsigned rows_listed = listed > 0 ? warp_or(mine) : MLA_FULL_MASK;
+  const unsigned enabled = __ballot_sync(MLA_FULL_MASK, f.on);
+  return {enabled & rows_listed};
+}
+
+// RowBits of a call with at most 32 rows, worked out by the calling warp alone (every lane
+// calls it).
+__device__ __forceinline__ RowBits processed_row_bits(const Problem& p) {
+  return row_bits(p, load_row_flags(p));
+}
+
+// The processed rows as one kernel reads them: RowBits that every warp worked out itself
+// (calls of at most 32 rows, in_bits), else the shared flags of mark_processed_rows.
+struct RowFlags {
+  const unsigned char* shared;
+  unsigned bits;
+  bool in_bits;
+  __device__ __forceinline__ bool operator[](int r) const {
+    return in_bits ? ((bits >> r) & 1u) != 0u : shared[r] != 0;
+  }
+};
+
 // processed[r] = 1 for every row this call aligns: listed in lora_ids (or no list) and
 // enabled. Up to 32 rows one warp does it with one round trip of loads and one barrier: the
 // list becomes a bit mask of rows (an OR over the lanes), so no row searches it. More rows:
@@ -122,16 +171,9 @@ __device__ __forceinline__ unsigned warp_or(unsigned v) {
 __device__ void mark_processed_rows(const Problem& p, unsigned char* processed) {
   const int listed = p.lora_ids == nullptr ? 0 : min(p.lora_ids_len, p.rows + 1);
   if (p.rows <= 32) {
-    if (threadIdx.x < 32) {
-      const int lane = threadIdx.x;
-      // listed <= 33: at most two entries a lane, both loaded at once
-      const int s0 = lane < listed ? p.lora_ids[lane] : -1;
-      const int s1 = lane + 32 < listed ? p.lora_ids[lane + 32] : -1;
-      const bool on = lane < p.rows && adapter_on(p, lane);
-      const unsigned mine = (s0 >= 0 && s0 < p.rows ? 1u << s0 : 0u) |
-                            (s1 >= 0 && s1 < p.rows ? 1u << s1 : 0u);
-      const unsigned rows_listed = listed > 0 ? warp_or(mine) : MLA_FULL_MASK;
-      if (lane < p.rows) processed[lane] = on && ((rows_listed >> lane) & 1u);
+    if (threadIdx.x < 32) {  // listed <= 33: at most two entries a lane, loaded at once
+      const RowBits bits = processed_row_bits(p);
+      if (threadIdx.x < p.rows) processed[threadIdx.x] = bits[threadIdx.x];
     }
     __syncthreads();
     return;
@@ -153,28 +195,9 @@ __device__ void mark_processed_rows(const Problem& p, unsigned char* processed) 
   }
 }
 
-__device__ __forceinline__ bool row_written(const Problem& p, const unsigned char* processed, int r) {
+template <typename Rows>
+__device__ __forceinline__ bool row_written(const Problem& p, const Rows& processed, int r) {
   return processed[r] || p.fill_unprocessed;
-}
-
-// The processed rows of up to 32 rows as bits in a register, read like the shared flags.
-struct RowBits {
-  unsigned bits;
-  __device__ __forceinline__ bool operator[](int r) const { return (bits >> r) & 1u; }
-};
-
-// RowBits of a call with at most 32 rows, worked out by the calling warp alone (every lane
-// calls it): the same rows as mark_processed_rows, with no shared memory and no barrier.
-__device__ __forceinline__ RowBits processed_row_bits(const Problem& p) {
-  const int lane = threadIdx.x & 31;
-  const int listed = p.lora_ids == nullptr ? 0 : min(p.lora_ids_len, p.rows + 1);
-  const int s0 = lane < listed ? p.lora_ids[lane] : -1;
-  const int s1 = lane + 32 < listed ? p.lora_ids[lane + 32] : -1;
-  const unsigned mine = (s0 >= 0 && s0 < p.rows ? 1u << s0 : 0u) |
-                        (s1 >= 0 && s1 < p.rows ? 1u << s1 : 0u);
-  const unsigned rows_listed = listed > 0 ? warp_or(mine) : MLA_FULL_MASK;
-  const unsigned enabled = __ballot_sync(MLA_FULL_MASK, lane < p.rows && adapter_on(p, lane));
-  return {enabled & rows_listed};
 }
 
 // A route as loaded from global memory: its id and its token's slot. Loading every route of
@@ -308,7 +331,8 @@ __device__ __forceinline__ void fill_span(const Problem& p, int* row, int units,
 // every row in every thread cost each thread every row's setup, which at LoRA sizes (16
 // rows, 32 warps an SM) was the fill's time (r44's stamps: 5700 cycles for a fill block to
 // issue 28 KB).
-__device__ void fill_rows(const Problem& p, const unsigned char* processed, int tid, int nthreads,
+template <typename Rows>
+__device__ void fill_rows(const Problem& p, const Rows& processed, int tid, int nthreads,
                           bool tiles) {
   const bool vec = ((p.sorted_pitch & 3) == 0) &&
                    ((reinterpret_cast<unsigned long long>(p.sorted_ids) & 15) == 0);

@@ -251,6 +251,12 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
   Route route[TINY_ITEMS];
 #pragma unroll
   for (int j = 0; j < TINY_ITEMS; ++j) route[j] = load_route<IdT>(p, route_index(j), p.numel);
+  // Up to 32 rows every warp works out the processed rows itself, from loads issued here and
+  // combined after the barrier below, so no warp waits there for warp 0's round trip (r51's
+  // stamps: one slot of T=16 reached its claims 1266 cycles after one base row).
+  const bool warp_rows = !BASE && p.rows <= 32;
+  RowFlagLoads flag_loads{-1, -1, false};
+  if (warp_rows) flag_loads = load_row_flags(p);
   if (CHUNKED) {  // counts from the groups' claims
 #pragma unroll
     for (int q = 0; q < PER; ++q)
@@ -264,8 +270,13 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
     for (int q = 0; q < PER; ++q)
       if (q * bd + tid < nb) starts[q * bd + tid] = 0;
   }
-  if (BASE) __syncthreads();  // the counts zeroed before any claim
+  if (BASE || warp_rows) __syncthreads();  // the counts zeroed before any claim
   else mark_processed_rows(p, processed);  // and its barrier
+  RowFlags row_flags{processed, 0u, warp_rows};
+  if (warp_rows) {
+    row_flags.bits = row_bits(p, flag_loads).bits;
+    if (tid < p.rows) processed[tid] = row_flags[tid];  // for the totals, after later barriers
+  }
   // The sentinel fill of every written row, and -1 in all its tiles: fire-and-forget stores
   // that drain while the block counts (routes and tile owners overwrite them after the
   // barriers below, so nothing is left to write past the totals at the end). With fill
@@ -290,7 +301,7 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
 #pragma unroll 1
     for (int k = tid; k < p.num_tiles; k += bd) p.expert_ids[k] = -1;
   } else {
-    fill_rows(p, processed, tid, bd, true);
+    fill_rows(p, row_flags, tid, bd, true);
   }
   MLA_STAMP(0, 1);
 
@@ -299,7 +310,7 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
 #pragma unroll
   for (int j = 0; j < TINY_ITEMS; ++j) {
     const int i = route_index(j);
-    bucket[j] = BASE ? bucket_of(p, route[j], RowBits{1u}) : bucket_of(p, route[j], processed);
+    bucket[j] = BASE ? bucket_of(p, route[j], RowBits{1u}) : bucket_of(p, route[j], row_flags);
     if (p.scatter_idx != nullptr && i < p.numel) p.scatter_idx[i] = bucket[j] >= 0 ? i : -1;
     if (!DET) rank[j] = claim(starts, bucket[j]);
     else if (CHUNKED) {
