@@ -206,6 +206,18 @@ def test_lora(emu, T, K, E, B, rows, variant, det):
                    with_ids=T % 3 != 1), det, variant)
 
 
+@pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
+@pytest.mark.parametrize("disabled,with_ids", [(0, True), (0, False), (1, True)])
+@pytest.mark.parametrize("T,K,E", [(5, 8, 64), (16, 4, 128), (40, 6, 64), (255, 8, 256)])
+def test_lora_one_slot_through_align_tiny(emu, T, K, E, disabled, with_ids, det):
+    """A LoRA call of one slot through align_tiny (past one warp's routes), its slot enabled
+    and listed, unlisted, or disabled: row 0's places, tiles and total, and an unprocessed
+    row left as the caller gave it."""
+    case = Case(T, K, E, 16, rows=1, seed=T + E, disabled=disabled, with_ids=with_ids)
+    launch = _run(emu, case, det)
+    assert launch.tiny
+
+
 @pytest.mark.parametrize("T,E,rows", [(0, 64, 4), (2, 64, 32), (3, 64, 40), (100, 64, 16)])
 def test_lora_map_disabled_and_unlisted(emu, T, E, rows):
     for det in (False, True):
