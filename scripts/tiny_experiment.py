@@ -169,7 +169,7 @@ def parse_variant(spec):
     (``1``), deterministic (``det``)."""
     name, rest = spec.split("=", 1)
     directory, *flags = rest.split(":")
-    if not name or not set(flags) <= VARIANT_FLAGS:
+    if not name or "=" in directory or not set(flags) <= VARIANT_FLAGS:  # no '=' in a name
         raise ValueError(f"--variant {spec!r}: NAME=DIR[:1][:det][:default]")
     return (name, {} if "default" in flags else ONE, Path(directory).resolve(), "1" in flags,
             "det" in flags)
