@@ -153,17 +153,6 @@ __device__ __forceinline__ RowBits processed_row_bits(const Problem& p) {
   return row_bits(p, load_row_flags(p));
 }
 
-// The processed rows as one kernel reads them: RowBits that every warp worked out itself
-// (calls of at most 32 rows, in_bits), else the shared flags of mark_processed_rows.
-struct RowFlags {
-  const unsigned char* shared;
-  unsigned bits;
-  bool in_bits;
-  __device__ __forceinline__ bool operator[](int r) const {
-    return in_bits ? ((bits >> r) & 1u) != 0u : shared[r] != 0;
-  }
-};
-
 // processed[r] = 1 for every row this call aligns: listed in lora_ids (or no list) and
 // enabled. Up to 32 rows one warp does it with one round trip of loads and one barrier: the
 // list becomes a bit mask of rows (an OR over the lanes), so no row searches it. More rows:

@@ -221,11 +221,20 @@ __device__ __forceinline__ void rank_groups_in_flat_order(const ChunkRanks& s,
 // CHUNKED (DET, align_tiny_chunked): flat-order ranks without a counter a bucket a warp,
 // which many buckets cannot afford: the counts come from one atomic a chunk's group, and the
 // ranks from a walk over the bucket's groups (ChunkRanks).
+// The warp totals of align_tiny_buckets' scans. Declared here, in a function that is no
+// template, it is one array for all of a kernel's instantiations (each has its own else).
+__device__ __forceinline__ int* tiny_warp_sums() {
+  __shared__ int sums[32];
+  return sums;
+}
+
+// ROW_BITS (LoRA calls of at most 32 rows): the processed rows as a RowBits in a register.
 template <typename IdT, int PER, bool DET, bool BASE, bool FILLED, bool STAGED = false,
-          bool CHUNKED = false>
+          bool CHUNKED = false, bool ROW_BITS = false>
 __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
+  static_assert(!(BASE && ROW_BITS), "a base row has no row flags");
   static_assert(DET || !CHUNKED, "the chunks' ranks are deterministic mode's");
-  __shared__ int warp_sums[32];
+  int* const warp_sums = tiny_warp_sums();
   const int nb = num_buckets(p), tid = threadIdx.x;
   const int lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
   const int first = tid * PER;  // buckets [first, first + PER) are this thread's
@@ -251,12 +260,11 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
   Route route[TINY_ITEMS];
 #pragma unroll
   for (int j = 0; j < TINY_ITEMS; ++j) route[j] = load_route<IdT>(p, route_index(j), p.numel);
-  // Up to 32 rows every warp works out the processed rows itself, from loads issued here and
+  // ROW_BITS: every warp works out the processed rows itself, from loads issued here and
   // combined after the barrier below, so no warp waits there for warp 0's round trip (r51's
   // stamps: one slot of T=16 reached its claims 1266 cycles after one base row).
-  const bool warp_rows = !BASE && p.rows <= 32;
   RowFlagLoads flag_loads{-1, -1, false};
-  if (warp_rows) flag_loads = load_row_flags(p);
+  if (ROW_BITS) flag_loads = load_row_flags(p);
   if (CHUNKED) {  // counts from the groups' claims
 #pragma unroll
     for (int q = 0; q < PER; ++q)
@@ -270,12 +278,12 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
     for (int q = 0; q < PER; ++q)
       if (q * bd + tid < nb) starts[q * bd + tid] = 0;
   }
-  if (BASE || warp_rows) __syncthreads();  // the counts zeroed before any claim
+  if (BASE || ROW_BITS) __syncthreads();  // the counts zeroed before any claim
   else mark_processed_rows(p, processed);  // and its barrier
-  RowFlags row_flags{processed, 0u, warp_rows};
-  if (warp_rows) {
-    row_flags.bits = row_bits(p, flag_loads).bits;
-    if (tid < p.rows) processed[tid] = row_flags[tid];  // for the totals, after later barriers
+  RowBits processed_bits{1u};
+  if (ROW_BITS) {
+    processed_bits = row_bits(p, flag_loads);
+    if (tid < p.rows) processed[tid] = processed_bits[tid];  // for the totals, after later barriers
   }
   // The sentinel fill of every written row, and -1 in all its tiles: fire-and-forget stores
   // that drain while the block counts (routes and tile owners overwrite them after the
@@ -301,7 +309,8 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
 #pragma unroll 1
     for (int k = tid; k < p.num_tiles; k += bd) p.expert_ids[k] = -1;
   } else {
-    fill_rows(p, row_flags, tid, bd, true);
+    if (ROW_BITS) fill_rows(p, processed_bits, tid, bd, true);
+    else fill_rows(p, processed, tid, bd, true);
   }
   MLA_STAMP(0, 1);
 
@@ -310,7 +319,8 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
 #pragma unroll
   for (int j = 0; j < TINY_ITEMS; ++j) {
     const int i = route_index(j);
-    bucket[j] = BASE ? bucket_of(p, route[j], RowBits{1u}) : bucket_of(p, route[j], row_flags);
+    bucket[j] = BASE || ROW_BITS ? bucket_of(p, route[j], processed_bits)
+                                 : bucket_of(p, route[j], processed);
     if (p.scatter_idx != nullptr && i < p.numel) p.scatter_idx[i] = bucket[j] >= 0 ? i : -1;
     if (!DET) rank[j] = claim(starts, bucket[j]);
     else if (CHUNKED) {
@@ -510,6 +520,13 @@ __device__ __forceinline__ void align_warp(const Problem& p) {
 #endif
 }
 
+// align_tiny_buckets for a LoRA call: its processed rows in a register up to 32 rows.
+template <typename IdT, int PER, bool DET, bool FILLED, bool CHUNKED = false>
+__device__ __forceinline__ void align_tiny_lora(const Problem& p) {
+  if (p.rows <= 32) align_tiny_buckets<IdT, PER, DET, false, FILLED, false, CHUNKED, true>(p);
+  else align_tiny_buckets<IdT, PER, DET, false, FILLED, false, CHUNKED>(p);
+}
+
 // The dispatcher keeps nb <= TINY_BUCKETS * blockDim.
 template <typename IdT, bool DET, bool FILLED>
 __device__ __forceinline__ void align_tiny_block(const Problem& p) {
@@ -517,10 +534,9 @@ __device__ __forceinline__ void align_tiny_block(const Problem& p) {
   const bool one_warp = p.numel <= WARP_ROUTES && (!FILLED || p.fill_blocks == 0);
   if (one_warp && base_problem(p)) align_warp<IdT, true>(p);
   else if (one_warp && p.rows <= 32) align_warp<IdT, false>(p);
-  else if (num_buckets(p) > (int)blockDim.x)
-    align_tiny_buckets<IdT, TINY_BUCKETS, DET, false, FILLED>(p);
+  else if (num_buckets(p) > (int)blockDim.x) align_tiny_lora<IdT, TINY_BUCKETS, DET, FILLED>(p);
   else if (base_problem(p)) align_tiny_buckets<IdT, 1, DET, true, FILLED>(p);
-  else align_tiny_buckets<IdT, 1, DET, false, FILLED>(p);
+  else align_tiny_lora<IdT, 1, DET, FILLED>(p);
 }
 
 // Probe only (-DMLA_PROBE -DMLA_TWICE, scripts/decode_experiment.py): `body` twice in the
@@ -585,10 +601,9 @@ __global__ void __launch_bounds__(1024, 1) align_tiny_staged(const Problem p) {
 template <typename IdT>
 __global__ void __launch_bounds__(1024, 1) align_tiny_chunked(const Problem p) {
   if (blockIdx.x > 0) fill_and_arrive(p, blockIdx.x - 1, true, p.ticket);
-  else if (num_buckets(p) > (int)blockDim.x)
-    align_tiny_buckets<IdT, TINY_BUCKETS, true, false, true, false, true>(p);
+  else if (num_buckets(p) > (int)blockDim.x) align_tiny_lora<IdT, TINY_BUCKETS, true, true, true>(p);
   else if (base_problem(p)) align_tiny_buckets<IdT, 1, true, true, true, false, true>(p);
-  else align_tiny_buckets<IdT, 1, true, false, true, false, true>(p);
+  else align_tiny_lora<IdT, 1, true, true, true>(p);
 }
 
 // Base and LoRA alignment in one launch of two tiny blocks (block 0: `first`).
