@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # A GPU round in one run on the GPU machine; logs and JSON go to $OUT (or ./gpu-out).
 # Usage: scripts/gpu_round.sh STEP...   with the steps (in the order given):
-#   tests      the GPU test suite (the CUDA compile tests are CI's: skipped here); about 270 s,
-#              so a call with other steps may split it: tests_kernels (tests/test_gpu_kernels.py)
-#              and tests_rest (every other test), each with its own log
+#   tests      the GPU test suite (the CUDA compile tests are CI's: skipped here); about 270 s
+#              with the kernel cache warm, more without (r52: tests_rest alone ran past 300 s
+#              on a machine that had built only the probe kernels), so a call with other
+#              steps may split it: tests_kernels (tests/test_gpu_kernels.py, about 120 s)
+#              and tests_rest (every other test), each with its own log; give a call's limit
+#              room past TESTS_S, or the log never comes back
 #              (PYTEST_ARGS: extra words, split on spaces; PYTEST_K: a -k expression, kept whole);
 #              the CPU-emulator tests are CI's and are deselected here
 #   fuzz       scripts/fuzz.py long mode (FUZZ_CASES, default 10000; FUZZ_SEED)
