@@ -210,6 +210,13 @@ __device__ __forceinline__ void rank_groups_in_flat_order(const ChunkRanks& s,
   }
 }
 
+// The warp totals of align_tiny_buckets' scans. Declared here, in a function that is no
+// template, it is one array for all of a kernel's instantiations (each has its own else).
+__device__ __forceinline__ int* tiny_warp_sums() {
+  __shared__ int sums[32];
+  return sums;
+}
+
 // PER: buckets a thread, a compile-time count so the one-bucket version carries no loop or
 // guard for the others. BASE: a base_problem (one row, always processed), compiled apart so
 // the row arithmetic and the row flags fold away, as in align_warp's base instance.
@@ -221,14 +228,8 @@ __device__ __forceinline__ void rank_groups_in_flat_order(const ChunkRanks& s,
 // CHUNKED (DET, align_tiny_chunked): flat-order ranks without a counter a bucket a warp,
 // which many buckets cannot afford: the counts come from one atomic a chunk's group, and the
 // ranks from a walk over the bucket's groups (ChunkRanks).
-// The warp totals of align_tiny_buckets' scans. Declared here, in a function that is no
-// template, it is one array for all of a kernel's instantiations (each has its own else).
-__device__ __forceinline__ int* tiny_warp_sums() {
-  __shared__ int sums[32];
-  return sums;
-}
-
-// ROW_BITS (LoRA calls of at most 32 rows): the processed rows as a RowBits in a register.
+// ROW_BITS (LoRA calls of at most 32 rows, align_tiny_lora): the processed rows as a RowBits
+// in a register that every warp works out itself, with no barrier for shared flags.
 template <typename IdT, int PER, bool DET, bool BASE, bool FILLED, bool STAGED = false,
           bool CHUNKED = false, bool ROW_BITS = false>
 __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
