@@ -7,8 +7,11 @@ package hands to CuPy at run time.
 
 import functools
 import io
+import multiprocessing
+import os
 import re
 import struct
+from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 import pytest
@@ -36,13 +39,40 @@ def _compile(arch, names):
     return obj, log.getvalue()
 
 
+def _compile_alone(job):
+    """One kernel as the package builds it, an NVRTC program of its own: (arch, name) in,
+    (its name expressions or None, cubin bytes, compile log) out."""
+    arch, name = job
+    obj, log = _compile(arch, (name,))
+    mapping = getattr(obj, "symbol_mapping", None)
+    return (None if mapping is None else sorted(mapping)), bytes(obj.code), log
+
+
+# Worker processes for the compiles (one NVRTC program at a time in each): at most this many,
+# since each holds a compile's memory.
+MAX_COMPILE_WORKERS = 8
+
+
+@functools.lru_cache(maxsize=None)
+def _every_kernel_alone(arch):
+    """{name: _compile_alone's result} for every kernel of every dtype, compiled in worker
+    processes, a core each, so the compile tests take their time once over the cores."""
+    names = sorted({n for d in DTYPES for n in _kernels.kernel_names(d).values()})
+    jobs = [(arch, n) for n in names]
+    workers = min(len(os.sched_getaffinity(0)), MAX_COMPILE_WORKERS)
+    if workers <= 1:
+        return dict(zip(names, map(_compile_alone, jobs)))
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+        return dict(zip(names, pool.map(_compile_alone, jobs)))
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_every_kernel_compiles_alone_without_spills(arch, dtype):
     """Each kernel as the package builds it: an NVRTC program of its own."""
+    built = _every_kernel_alone(arch)
     for name in _kernels.kernel_names(dtype).values():
-        obj, log = _compile(arch, (name,))
-        mangled = obj.symbol_mapping if hasattr(obj, "symbol_mapping") else None
+        mangled, _, log = built[name]
         if mangled is not None:
             assert set(mangled) == {name}
         if "ptxas info" not in log:
@@ -79,8 +109,9 @@ def test_a_kernel_compiled_alone_is_the_same_machine_code():
     attribute sections differ only in symbol numbers."""
     names = tuple(_kernels.kernel_names(np.int32).values())
     whole = _sections(bytes(_compile("sm_90", names)[0].code))
+    built = _every_kernel_alone("sm_90")
     for name in names:
-        alone = _sections(bytes(_compile("sm_90", (name,))[0].code))
+        alone = _sections(built[name][1])
         texts = [s for s in alone if s.startswith(".text.")]
         assert len(texts) == 1, (name, texts)
         assert alone[texts[0]] == whole[texts[0]], f"{name}: other machine code alone"
