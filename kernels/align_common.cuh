@@ -492,7 +492,8 @@ __device__ void write_expert_ids(const Problem& p, const unsigned char* processe
   }
 }
 
-__device__ void write_totals(const Problem& p, const unsigned char* processed, const int* starts) {
+template <typename Rows>
+__device__ void write_totals(const Problem& p, const Rows& processed, const int* starts) {
   const int E = p.num_experts;
   for (int r = threadIdx.x; r < p.rows; r += blockDim.x) {
     if (processed[r]) p.num_post_pad[r] = starts[r * E + E] - starts[r * E];

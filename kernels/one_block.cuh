@@ -282,10 +282,7 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
   if (BASE || ROW_BITS) __syncthreads();  // the counts zeroed before any claim
   else mark_processed_rows(p, processed);  // and its barrier
   RowBits processed_bits{1u};
-  if (ROW_BITS) {
-    processed_bits = row_bits(p, flag_loads);
-    if (tid < p.rows) processed[tid] = processed_bits[tid];  // for the totals, after later barriers
-  }
+  if (ROW_BITS) processed_bits = row_bits(p, flag_loads);
   // The sentinel fill of every written row, and -1 in all its tiles: fire-and-forget stores
   // that drain while the block counts (routes and tile owners overwrite them after the
   // barriers below, so nothing is left to write past the totals at the end). With fill
@@ -410,7 +407,8 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
       write_bucket_tiles(p, starts, first + q, start[q], tiles);
     }
   }
-  if (!BASE) write_totals(p, processed, starts);
+  if (ROW_BITS) write_totals(p, processed_bits, starts);
+  else if (!BASE) write_totals(p, processed, starts);
   else if (tid == 0) p.num_post_pad[0] = total;
   if (STAGED) {  // every route in the image: the whole row out, 16 bytes a store
     __syncthreads();
