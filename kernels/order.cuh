@@ -151,13 +151,20 @@ __device__ void sort_by_bitmap(const Problem& p, int* seg, int n, unsigned* bits
 
 // Sort the segment of every bucket dealt to `block` of `blocks`: in rounds, warp w takes
 // bucket (round * 32 + w) * blocks + block and sorts it if it is short; the block then sorts
-// the round's long ones. `starts`: the segment starts (shared or global memory); `scratch`:
-// the sort's shared memory (order_scratch_bytes). Every thread calls it.
+// the round's long ones dealt to it. DEAL_BY_RANK (the starts in shared memory: the
+// cooperative kernel): the k-th long segment of the round, in bucket order, goes to block
+// k % blocks, so a few hot buckets (skewed routing) spread over the blocks instead of landing
+// two or three on one by their index; every thread checks a few of the round's starts, and
+// only a round that has a long segment pays for their ranks. Otherwise each block sorts the
+// long segments of its own buckets. `starts`: the segment starts (shared or global memory);
+// `scratch`: the sort's shared memory (order_scratch_bytes). Every thread calls it.
+template <bool DEAL_BY_RANK>
 __device__ void order_segments(const Problem& p, const int* starts, int block, int blocks,
                                int* scratch, int* warp_sums) {
-  // The round's long segments, by bucket; their count in turn in num_long[round & 1]: a round
-  // without long segments has no barrier after the count is read, so the next round's reset
-  // must not hit the word a slow thread may still read.
+  // The long segments this block sorts in the round, by bucket; by index, their count in turn
+  // in num_long[round & 1]: a round without long segments has no barrier after the count is
+  // read, so the next round's reset must not hit the word a slow thread may still read.
+  // (By rank a block has at most 32 a round: a round has blocks * nwarps buckets.)
   __shared__ int long_bucket[32], num_long[2];
   const int nb = num_buckets(p), E = p.num_experts;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
@@ -173,21 +180,42 @@ __device__ void order_segments(const Problem& p, const int* starts, int block, i
   int turn = 0;
   MLA_STAMP(5, 0);
   for (int first = 0; first < nb; first += blocks * nwarps, turn ^= 1) {
-    if (threadIdx.x == 0) num_long[turn] = 0;
-    __syncthreads();  // also: the previous round done with the shared memory
+    // DEAL_BY_RANK: this thread's buckets of the round (first + threadIdx.x, then a block's
+    // width on: conflict-free loads), and how many of them are long (a bit each).
+    const int round_end = min(nb, first + blocks * nwarps);
+    unsigned mine = 0u;
+    if (DEAL_BY_RANK) {
+      for (int b = first + threadIdx.x, k = 0; b < round_end; b += blockDim.x, ++k)
+        mine |= (unsigned)(starts[b + 1] - starts[b] > ORDER_WARP_MAX) << k;
+    } else if (threadIdx.x == 0) {
+      num_long[turn] = 0;
+    }
+    // Also: the previous round done with the shared memory.
+    const bool any_long = __syncthreads_or(mine != 0u);
+    int longs = 0;
+    if (DEAL_BY_RANK && any_long) {
+      // A rank for each long segment: threads in order, then a thread's buckets in order.
+      int rank = thread_prefix(__popc(mine), warp_sums);
+      const int in_round = warp_sums[nwarps - 1];
+      for (; mine != 0u; mine &= mine - 1u, ++rank) {
+        if (rank % blocks == block)
+          long_bucket[rank / blocks] = first + threadIdx.x + (__ffs(mine) - 1) * blockDim.x;
+      }
+      longs = in_round > block ? (in_round - block + blocks - 1) / blocks : 0;
+    }
     const int b = first + warp * blocks + block;
     if (b < nb) {
       int n;
       int* seg = segment(b, &n);
       if (n > ORDER_WARP_MAX) {
-        if (lane == 0) long_bucket[atomicAdd(&num_long[turn], 1)] = b;  // any order: independent
+        if (!DEAL_BY_RANK && lane == 0) long_bucket[atomicAdd(&num_long[turn], 1)] = b;
       } else if (n > 1) {
         sort_in_warp(seg, n, p.numel);
       }
     }
-    __syncthreads();
+    __syncthreads();  // the long segments listed; warp_sums read by every thread
     MLA_STAMP(5, 1);
-    const int longs = num_long[turn];
+    if (!DEAL_BY_RANK) longs = num_long[turn];
     for (int j = 0; j < longs; ++j) {
       int n;
       int* seg = segment(long_bucket[j], &n);
@@ -223,8 +251,8 @@ __device__ void order_segments(const Problem& p, const int* starts, int block, i
 template <typename IdT>
 __global__ void __launch_bounds__(1024) align_order(const Problem p) {
   __shared__ int warp_sums[32];
-  order_segments(p, p.starts, blockIdx.x, gridDim.x, reinterpret_cast<int*>(dynamic_smem),
-                 warp_sums);
+  order_segments<false>(p, p.starts, blockIdx.x, gridDim.x,
+                        reinterpret_cast<int*>(dynamic_smem), warp_sums);
 #ifdef MLA_PROBE
   __syncthreads();
   MLA_STAMP(5, 5);

@@ -269,6 +269,38 @@ def test_sorted_segments_of_every_length(emu, count, variant):
     assert launch.deterministic_output
 
 
+@pytest.mark.parametrize("variant", [None, "global", "cooperative"])
+@pytest.mark.parametrize("E,rows", [(32, None), (8, 4)])
+def test_long_segments_dealt_over_few_blocks(emu, E, rows, variant):
+    """Every bucket's segment longer than a warp sorts (1024 routes a bucket, or 256): more
+    long segments than blocks, several to each block; exact against NumPy."""
+    case = Case(4096, 8, E, 16, rows=rows, seed=E)
+    if _refused(variant, True, case.ids.size, (rows or 1) * E, rows or 1, SORTED):
+        pytest.skip("the dispatcher refuses this variant at these sizes")
+    launch = _run(emu, case, True, variant, SORTED, seeds=(0, 1))
+    assert launch.deterministic_output
+
+
+@pytest.mark.parametrize("variant", [None, "global", "cooperative"])
+@pytest.mark.parametrize("hot", [(3, 40), (3, 7, 40, 44)])
+def test_hot_segments_among_short_ones(emu, hot, variant):
+    """LoRA of 4 slots, E=64: a third of the routes on the hot experts, so every slot has a
+    few long segments among short ones, over two rounds of the sort (the emulator's 4 blocks
+    take 128 buckets a round). By bucket index the hot segments of a round pile onto two
+    blocks; every way of dealing them must give NumPy's answer."""
+    case = Case(1024, 8, 64, 16, rows=4, seed=len(hot))
+    rng = np.random.default_rng(len(hot))
+    flat = case.ids.reshape(-1)
+    picked = rng.random(flat.size) < 1 / 3
+    flat[picked] = rng.choice(np.array(hot, dtype=flat.dtype), size=int(picked.sum()))
+    case.want = [np.full(sh, POISON, np.int32) for sh in case.shapes]
+    _call.run_on_host(case.prepare(case.want, False).job)
+    if _refused(variant, True, flat.size, 4 * 64, 4, SORTED):
+        pytest.skip("the dispatcher refuses this variant at these sizes")
+    launch = _run(emu, case, True, variant, SORTED, seeds=(0, 1))
+    assert launch.deterministic_output
+
+
 # ---- base and LoRA together ---------------------------------------------------------------
 @pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
 @pytest.mark.parametrize("T,E,rows,streams,policy", [

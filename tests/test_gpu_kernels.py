@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import moe_lora_align as mla
+from moe_lora_align.bench import routing as bench_routing
 from gpu_util import (GUARD, POISON, TINY_RANKS, canonical, cupy, guarded, make_lora,
                       make_routing, requires_gpu, segment_starts, tiny_ranks_policy)
 
@@ -843,6 +844,35 @@ def test_order_lora(E, T, rows, variant, how):
     _lora_case(E, T, variant, True, salt=60, max_loras=rows, topk=8, policy=policy)
     _lora_case(E, T, variant, True, salt=61, max_loras=rows, topk=8, allocate=True,
                use_map=True, with_ids=False, disabled=2, policy=policy)
+
+
+@pytest.mark.parametrize("variant", [None, "cooperative", "shared"])
+@pytest.mark.parametrize("T,E,L", [(2048, 256, 16), (3072, 256, 16), (4096, 256, 16),
+                                   (16384, 256, 16), (16384, 64, 4), (4096, 8, 40)])
+def test_order_lora_hot_experts(T, E, L, variant):
+    """The benchmark's skewed routing (most routes on 4 hot experts): in every slot a few long
+    segments among short ones, more of them than blocks at E=64 and E=8, dealt over the
+    blocks (by rank in the cooperative kernel, by bucket in align_order); exact against the
+    NumPy backend, guards intact."""
+    _skip_unless_runs(variant, True, T * 8, L * E, L, SORTED)
+    rng = np.random.default_rng(T + E + L)
+    ids = bench_routing(rng, T, 8, E, "skewed")
+    mapping, lora_ids, enabled = make_lora(rng, T, L, disabled=1)
+    kw = dict(lora_ids=lora_ids, adapter_enabled=enabled)
+    P, M = mla.buffer_sizes(T * 8, E, 64)
+    shapes = ((L, P), (L, M), (L,))
+    host = [guarded(list(sh), np) for sh in shapes]
+    dev = [guarded(list(sh), cupy) for sh in shapes]
+    mla.moe_lora_align_block_size(ids, mapping, 64, E, L, out=[v for _, v in host], **kw)
+    mla.moe_lora_align_block_size(cupy.asarray(ids), cupy.asarray(mapping), 64, E, L,
+                                  deterministic=True, variant=variant, policy=SORTED,
+                                  out=[v for _, v in dev],
+                                  **{k: cupy.asarray(v) for k, v in kw.items()})
+    cupy.cuda.get_current_stream().synchronize()
+    for (hw, hv), (dw, dv) in zip(host, dev):
+        w = dw.get()
+        assert (w[:GUARD] == POISON).all() and (w[-GUARD:] == POISON).all()
+        np.testing.assert_array_equal(dv.get(), hv)
 
 
 @pytest.mark.parametrize("streams", [None, "one", "two"])
