@@ -49,9 +49,8 @@ __device__ __forceinline__ void blocks_barrier(unsigned* arrivals, unsigned bloc
 //   stride = nb rounded up to even.
 // DET == COOP_SORTED: the free-order kernel, then a second barrier, then the blocks sort every
 //   bucket's segment in place (order_segments, order.cuh), the segment starts already in each
-//   block's shared memory (where a segment is long, the blocks deal the long ones by rank).
-//   The sort's scratch takes the place of value and bucket_of_k where larger
-//   (order_scratch_bytes).
+//   block's shared memory. The sort's scratch takes the place of value and bucket_of_k where
+//   larger (order_scratch_bytes).
 template <typename IdT, int DET>
 __device__ __forceinline__ void align_cooperatively(const Problem& p, int block, int blocks) {
   __shared__ int warp_sums[32];
@@ -201,16 +200,11 @@ __device__ __forceinline__ void align_cooperatively(const Problem& p, int block,
   }
   MLA_STAMP(3, 4);
 
-  bool has_long = false;  // COOP_SORTED: a segment the sort's warps leave to a block
   for (int b = threadIdx.x; b < nb; b += blockDim.x) {
-    const int count = __ldcg(counts + b);
-    starts[b] = count;
-    if (DET == COOP_SORTED) has_long |= padded_count(p, count) > ORDER_WARP_MAX;
+    starts[b] = __ldcg(counts + b);
     if (DET == COOP_ORDERED && hist[b + 1] != hist[b]) adj[b] = __ldcg(p.chunk_hist + (long long)b * blocks + block);
   }
-  bool any_long = false;
-  if (DET == COOP_SORTED) any_long = __syncthreads_or(has_long);
-  else __syncthreads();
+  __syncthreads();
   scan_padded_counts(p, nb, [&](int b) { return starts[b]; }, starts, warp_sums);
   if (block == 0) {
     write_totals(p, processed, starts);
@@ -230,7 +224,7 @@ __device__ __forceinline__ void align_cooperatively(const Problem& p, int block,
   if (DET == COOP_SORTED) {
     MLA_STAMP(3, 6);
     blocks_barrier(ctrl + 4 + parity, arrivals + (unsigned)blocks);
-    order_segments(p, starts, block, blocks, value, warp_sums, any_long);
+    order_segments(p, starts, block, blocks, value, warp_sums);
 #ifdef MLA_PROBE
     __syncthreads();
     MLA_STAMP(5, 5);

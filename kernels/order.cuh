@@ -151,20 +151,13 @@ __device__ void sort_by_bitmap(const Problem& p, int* seg, int n, unsigned* bits
 
 // Sort the segment of every bucket dealt to `block` of `blocks`: in rounds, warp w takes
 // bucket (round * 32 + w) * blocks + block and sorts it if it is short; the block then sorts
-// the long ones dealt to it. By bucket index (the default) a block takes the long segments
-// of its own buckets, so a few hot buckets (skewed routing) may land two or three on one
-// block while most have none. `deal_by_rank` (the starts in shared memory, and some segment
-// long: the cooperative kernel knows from its counts) deals them by rank instead: the k-th
-// long segment of the call, counted round by round and in a fixed order within a round,
-// goes to block k % blocks; every thread checks a few of the round's starts. `starts`: the
-// segment starts (shared or global memory); `scratch`: the sort's shared memory
-// (order_scratch_bytes). Every thread calls it.
+// the round's long ones. `starts`: the segment starts (shared or global memory); `scratch`:
+// the sort's shared memory (order_scratch_bytes). Every thread calls it.
 __device__ void order_segments(const Problem& p, const int* starts, int block, int blocks,
-                               int* scratch, int* warp_sums, bool deal_by_rank) {
-  // The long segments this block sorts in the round, by bucket (at most 32: a round has
-  // blocks * nwarps buckets), their count in turn in num_long[round & 1]: a round without
-  // long segments has no barrier after the count is read, so the next round's reset must
-  // not hit the word a slow thread may still read.
+                               int* scratch, int* warp_sums) {
+  // The round's long segments, by bucket; their count in turn in num_long[round & 1]: a round
+  // without long segments has no barrier after the count is read, so the next round's reset
+  // must not hit the word a slow thread may still read.
   __shared__ int long_bucket[32], num_long[2];
   const int nb = num_buckets(p), E = p.num_experts;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
@@ -177,40 +170,22 @@ __device__ void order_segments(const Problem& p, const int* starts, int block, i
   unsigned* bits = reinterpret_cast<unsigned*>(scratch);
   unsigned* summary = bits + 32 * ((p.numel + 1023) >> 10);  // whole rounds of 32 words
   bool zeroed = false;
-  int turn = 0, dealt = 0;  // dealt: long segments of the rounds before (deal_by_rank)
+  int turn = 0;
   MLA_STAMP(5, 0);
   for (int first = 0; first < nb; first += blocks * nwarps, turn ^= 1) {
     if (threadIdx.x == 0) num_long[turn] = 0;
-    if (deal_by_rank) {
-      // This thread's buckets of the round (first + threadIdx.x, then a block's width on:
-      // conflict-free loads; fewer than 32), a bit for each long one; their ranks in the
-      // order threads, then a thread's bits.
-      const int round_end = min(nb, first + blocks * nwarps);
-      unsigned mine = 0u;
-      for (int b = first + threadIdx.x, bit = 0; b < round_end; b += blockDim.x, ++bit)
-        mine |= (unsigned)(starts[b + 1] - starts[b] > ORDER_WARP_MAX) << bit;
-      // (Its first barrier: the previous round done with the shared memory.)
-      int rank = dealt + thread_prefix(__popc(mine), warp_sums);
-      dealt += warp_sums[nwarps - 1];
-      for (; mine != 0u; mine &= mine - 1u, ++rank) {
-        if (rank % blocks == block)
-          long_bucket[atomicAdd(&num_long[turn], 1)] =
-              first + threadIdx.x + (__ffs(mine) - 1) * blockDim.x;
-      }
-    } else {
-      __syncthreads();  // also: the previous round done with the shared memory
-    }
+    __syncthreads();  // also: the previous round done with the shared memory
     const int b = first + warp * blocks + block;
     if (b < nb) {
       int n;
       int* seg = segment(b, &n);
       if (n > ORDER_WARP_MAX) {
-        if (!deal_by_rank && lane == 0) long_bucket[atomicAdd(&num_long[turn], 1)] = b;
+        if (lane == 0) long_bucket[atomicAdd(&num_long[turn], 1)] = b;  // any order: independent
       } else if (n > 1) {
         sort_in_warp(seg, n, p.numel);
       }
     }
-    __syncthreads();  // the long segments listed; warp_sums read by every thread
+    __syncthreads();
     MLA_STAMP(5, 1);
     const int longs = num_long[turn];
     for (int j = 0; j < longs; ++j) {
@@ -249,7 +224,7 @@ template <typename IdT>
 __global__ void __launch_bounds__(1024) align_order(const Problem p) {
   __shared__ int warp_sums[32];
   order_segments(p, p.starts, blockIdx.x, gridDim.x, reinterpret_cast<int*>(dynamic_smem),
-                 warp_sums, false);
+                 warp_sums);
 #ifdef MLA_PROBE
   __syncthreads();
   MLA_STAMP(5, 5);

@@ -286,9 +286,8 @@ def test_long_segments_dealt_over_few_blocks(emu, E, rows, variant):
 def test_hot_segments_among_short_ones(emu, hot, variant):
     """LoRA of 4 slots, E=64: a third of the routes on the hot experts, so every slot has a
     few long segments among short ones, over two rounds of the sort (the emulator's 4 blocks
-    take 128 buckets a round). By bucket index (align_order) the hot segments of a round
-    pile onto two blocks; by rank (the cooperative kernel) they spread, the count carried
-    from round to round. Exact against NumPy either way."""
+    take 128 buckets a round), dealt by bucket index: the hot segments of a round pile onto
+    two blocks. Exact against NumPy."""
     case = Case(1024, 8, 64, 16, rows=4, seed=len(hot))
     rng = np.random.default_rng(len(hot))
     flat = case.ids.reshape(-1)

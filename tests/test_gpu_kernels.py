@@ -851,9 +851,8 @@ def test_order_lora(E, T, rows, variant, how):
                                    (16384, 256, 16), (16384, 64, 4), (4096, 8, 40)])
 def test_order_lora_hot_experts(T, E, L, variant):
     """The benchmark's skewed routing (most routes on 4 hot experts): in every slot a few long
-    segments among short ones, more of them than blocks at E=64 and E=8, dealt over the
-    blocks (by rank in the cooperative kernel, by bucket in align_order); exact against the
-    NumPy backend, guards intact."""
+    segments among short ones, more of them than blocks at E=64 and E=8, in the cooperative
+    kernel's sort and align_order's; exact against the NumPy backend, guards intact."""
     _skip_unless_runs(variant, True, T * 8, L * E, L, SORTED)
     rng = np.random.default_rng(T + E + L)
     ids = bench_routing(rng, T, 8, E, "skewed")

@@ -1,7 +1,6 @@
 // CUDA device code on the CPU, for the tests: every thread of a launch is a fiber, and one OS
 // thread switches between them at the points where CUDA threads meet or poll:
-// __syncthreads (and its OR), warp collectives, the cluster barrier, atomics, fences and
-// acquire loads.
+// __syncthreads, warp collectives, the cluster barrier, atomics, fences and acquire loads.
 // The blocks of a cooperative or cluster launch are all resident at once, so the kernels'
 // grid barriers and tickets work as on the GPU; other launches run in slots of 16K threads
 // (or one block at a time). Shared memory is a per-block arena poisoned at launch;
@@ -177,7 +176,6 @@ struct Block {
   std::vector<unsigned char> arena;  // [STATIC_SMEM | dynamic shared memory]
   int live = 0, arrived = 0;
   long gen = 0;
-  int vote[2] = {};  // __syncthreads_or: barrier gen's OR in vote[gen & 1]
   std::vector<Warp> warps;
   unsigned exited_lanes[32] = {};  // per warp
 #ifdef MLA_EMU_RACECHECK
@@ -282,9 +280,6 @@ inline void syncthreads() {
   ++current()->events;  // an arrival is progress: the barrier is nearer its release
   if (++b.arrived == b.live) {
     b.arrived = 0;
-    // Every thread read the OR of barrier gen - 1 before it arrived here: the word is free
-    // for barrier gen + 1.
-    b.vote[(gen + 1) & 1] = 0;
     ++b.gen;
     ++current()->events;
     // Now and then the block naps right after a barrier, held back until the others can go
@@ -298,14 +293,6 @@ inline void syncthreads() {
   me()->waits = Fiber::BARRIER;
   me()->wait_gen = gen;
   while (b.gen == gen) yield(BLOCKED);
-}
-
-inline int syncthreads_or(int pred) {
-  Block& b = *me()->block;
-  const long gen = b.gen;
-  b.vote[gen & 1] |= pred != 0;
-  syncthreads();
-  return b.vote[gen & 1];
 }
 
 inline unsigned lane() { return me()->tid & 31; }
@@ -741,7 +728,6 @@ inline std::string run(void (*body)(const void* const*), const void* const* args
 #define dynamic_smem (mla_emu::dynamic_smem())
 
 inline void __syncthreads() { mla_emu::syncthreads(); }
-inline int __syncthreads_or(int pred) { return mla_emu::syncthreads_or(pred); }
 inline void __threadfence() { mla_emu::maybe_preempt(); }
 inline void __threadfence_block() {}
 inline long long clock64() { return (long long)mla_emu::current()->switches; }
