@@ -60,7 +60,8 @@ struct Problem {
 };
 
 // Stage timestamps for scripts/stage_probe.py, compiled in only with -DMLA_PROBE: thread 0 of
-// each block records (SM clock, global nanosecond timer) at MLA_STAMP(kernel, stage) points.
+// each block records (SM clock, global nanosecond timer) at MLA_STAMP(kernel, stage) points,
+// and the SM it runs on.
 // Kernel slots: 0 single block, 1 count, 2 place, 3 cooperative, 4 cluster, 5 order, 6 the
 // deterministic cluster kernel's ranking steps, 7 fill blocks (fill_and_arrive).
 #ifdef MLA_PROBE
@@ -68,13 +69,17 @@ struct Problem {
 #define MLA_PROBE_BLOCKS 160
 #define MLA_PROBE_STAGES 8
 __device__ unsigned long long mla_probe[MLA_PROBE_SLOTS * MLA_PROBE_BLOCKS * MLA_PROBE_STAGES * 2];
+__device__ unsigned mla_probe_sm[MLA_PROBE_SLOTS * MLA_PROBE_BLOCKS];  // the block's SM + 1
 __device__ __forceinline__ void mla_stamp(int kernel, int stage) {
   if (threadIdx.x == 0 && blockIdx.x < MLA_PROBE_BLOCKS) {
     unsigned long long g;
+    unsigned sm;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g));
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
     const int k = ((kernel * MLA_PROBE_BLOCKS + blockIdx.x) * MLA_PROBE_STAGES + stage) * 2;
     mla_probe[k] = clock64();
     mla_probe[k + 1] = g;
+    mla_probe_sm[kernel * MLA_PROBE_BLOCKS + blockIdx.x] = sm + 1;
   }
 }
 #define MLA_STAMP(kernel, stage) mla_stamp(kernel, stage)

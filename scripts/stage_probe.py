@@ -1,6 +1,6 @@
 """Where the time goes, on the GPU machine: floor kernels, per-stage timestamps, eager profile.
 
-  python3 scripts/stage_probe.py [--out DIR]
+  python3 scripts/stage_probe.py [--out DIR] [--stamps-only] [--only PARTS] [--by-block SLOTS]
 
 1. Floor ladder: graph-replay µs of tiny kernels that do one piece of an alignment each
    (empty, one load and store, barriers, a grid ticket), so each stage has a price.
@@ -88,6 +88,9 @@ CASES = [  # op ("... det": deterministic=True), T, E, K, B, L
     ("lora det", 256, 256, 8, 16, 16),
     # one slot against one base row of the same routes: the anchors' row over 3 % (r51)
     ("lora", 16, 128, 4, 16, 1), ("base", 16, 128, 4, 16, None),
+    # the anchors' row nearest 3 % in r53; the skewed deterministic LoRA sort (r53's deals)
+    ("lora", 16, 64, 6, 16, 4), ("lora det skewed", 2048, 256, 8, 64, 16),
+    ("lora det skewed", 3072, 256, 8, 64, 16), ("lora det skewed", 4096, 256, 8, 64, 16),
 ]
 STAGES = {0: ["entry", "rows+fill", "claim", "scan", "stores", "end", "wait from",
               "group walk"],
@@ -175,32 +178,58 @@ def reload_kernels(options):
     _kernels.use_build(dataclasses.replace(_kernels.current_build(), options=tuple(options)))
 
 
-def probe_run(fn, stream):
+def probe_run(fn, stream, with_sms=False):
     """Run ``fn`` once on ``stream`` (its kernels loaded already) with every probe buffer
     zeroed, and return what the probes hold after it: a [SLOTS, PROBE_BLOCKS, PROBE_STAGES,
-    2] int64 array.
-    Each kernel is a module of its own with its own copy of the mla_probe global; entries a
+    2] int64 array; ``with_sms``: also a [SLOTS, PROBE_BLOCKS] array of each block's SM (-1
+    where the block stamped nothing).
+    Each kernel is a module of its own with its own copy of the probe globals; entries a
     kernel did not write stay 0 in its copy, so the elementwise max merges them."""
-    shape = (SLOTS, PROBE_BLOCKS, PROBE_STAGES, 2)
-    bufs = [cupy.ndarray(shape, np.uint64, module.get_global("mla_probe"))
-            for ks in _kernels.loaded_sets() for module in ks.modules.values()]
-    for buf in bufs:
+    modules = [module for ks in _kernels.loaded_sets() for module in ks.modules.values()]
+    bufs = [cupy.ndarray((SLOTS, PROBE_BLOCKS, PROBE_STAGES, 2), np.uint64,
+                         module.get_global("mla_probe")) for module in modules]
+    sm_bufs = [cupy.ndarray((SLOTS, PROBE_BLOCKS), np.uint32, module.get_global("mla_probe_sm"))
+               for module in modules] if with_sms else []
+    for buf in bufs + sm_bufs:
         buf.fill(0)
     with stream:
         fn()
     stream.synchronize()
-    return np.maximum.reduce([cupy.asnumpy(buf) for buf in bufs]).astype(np.int64)
+    merged = np.maximum.reduce([cupy.asnumpy(buf) for buf in bufs]).astype(np.int64)
+    if not with_sms:
+        return merged
+    return merged, np.maximum.reduce([cupy.asnumpy(buf) for buf in sm_bufs]).astype(np.int64) - 1
 
 
-def stamps(stream):
-    """One call's stage stamps for every case, as printable lines and raw numbers."""
+def block_lines(b, sms, slot, top):
+    """The ``top`` blocks of kernel ``slot`` that stamped last, one line each: its SM and
+    each stage's SM cycles from its entry; then how many blocks and distinct SMs there were."""
+    blocks = [blk for blk in range(PROBE_BLOCKS) if b[slot, blk, 0, 0]]
+    if not blocks:
+        return []
+    names = STAGES[slot]
+    last = {blk: max(b[slot, blk, s, 0] for s in range(len(names))) - b[slot, blk, 0, 0]
+            for blk in blocks}
+    lines = [f"   {KERNEL[slot]} by block, the {min(top, len(blocks))} last of {len(blocks)} "
+             f"(on {len({int(sms[slot, blk]) for blk in blocks})} SMs):"]
+    for blk in sorted(blocks, key=lambda k: -last[k])[:top]:
+        parts = [f"{nm} {int(b[slot, blk, s, 0] - b[slot, blk, 0, 0])}c"
+                 for s, nm in enumerate(names) if s > 0 and b[slot, blk, s, 0]]
+        lines.append(f"     block {blk:3d} sm {int(sms[slot, blk]):3d}: " + "; ".join(parts))
+    return lines
+
+
+def stamps(stream, by_block=(), top=16):
+    """One call's stage stamps for every case, as printable lines and raw numbers; for the
+    kernel slots named in ``by_block`` (KERNEL's names), also the ``top`` last blocks one by
+    one, with their SMs."""
     lines, raw = [], {}
     for case in CASES:
         fn = make_call(case, stream)
         with stream:
             fn()
         stream.synchronize()
-        b = probe_run(fn, stream)
+        b, sms = probe_run(fn, stream, with_sms=True)
         raw[str(case)] = b.tolist()
         lines.append(f"{case}")
         t0 = min(b[k, blk, 0, 1] for k in range(SLOTS) for blk in range(PROBE_BLOCKS)
@@ -222,6 +251,8 @@ def stamps(stream):
                     parts.append(f"{nm} {int(statistics.median(clk[s]))}c/"
                                  f"{int(max(clk[s]))}c @{int(min(gt[s]))}-{int(max(gt[s]))}ns")
             lines.append(f"   {KERNEL[k]:6s} blocks={len(blocks):3d}: " + "; ".join(parts))
+            if KERNEL[k] in by_block:
+                lines += block_lines(b, sms, k, top)
     return lines, raw
 
 
@@ -265,6 +296,9 @@ def main():
     ap.add_argument("--min-tokens", type=int, default=0, help="only cases with T >= this")
     ap.add_argument("--only", default="",
                     help="only cases whose printed tuple contains one of these '|'-separated parts")
+    ap.add_argument("--by-block", default="",
+                    help="kernel slots (" + ", ".join(KERNEL.values()) + "), ','-separated, "
+                         "whose last blocks to print one by one, with their SMs")
     ap.add_argument("--policy", default="",
                     help="AlignPolicy fields for every case, as NAME=INT,... (e.g. "
                          "cluster_min_routes=0,cluster_max_routes=65536)")
@@ -292,7 +326,11 @@ def main():
           "from entry @ global-timer ns window from the call's first entry")
     reload_kernels(base_opts + ("-DMLA_PROBE",))
     report["probe_build"] = time_cases(stream, "probe")
-    lines, report["stamps"] = stamps(stream)
+    by_block = [name for name in args.by_block.split(",") if name]
+    unknown = sorted(set(by_block) - set(KERNEL.values()))
+    if unknown:
+        ap.error(f"--by-block: no kernel slot {unknown}; the slots: {list(KERNEL.values())}")
+    lines, report["stamps"] = stamps(stream, by_block)
     print("\n".join(lines))
     reload_kernels(base_opts)
     if not args.stamps_only:

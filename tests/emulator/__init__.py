@@ -50,6 +50,7 @@ PTX = {
     "barrier.cluster.wait.aligned;": "mla_emu::cluster_wait();",
     "mapa.u64 %0, %1, %2;": "{0} = mla_emu::mapa((const void*)({1}), {2});",
     "mov.u64 %0, %%globaltimer;": "{0} = mla_emu::globaltimer();",
+    "mov.u32 %0, %%smid;": "{0} = mla_emu::smid();",
 }
 
 

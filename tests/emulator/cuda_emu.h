@@ -477,6 +477,7 @@ inline unsigned long long mapa(const void* local, unsigned rank) {
 }
 
 inline unsigned long long globaltimer() { return (unsigned long long)current()->switches; }
+inline unsigned smid() { return me()->block->index; }  // a block to an SM, as the probe sees it
 
 // Whether a BLOCKED thread's wait is over (else resuming it would only yield again).
 inline bool ready(Launch& l, const Fiber& f) {
