@@ -202,20 +202,23 @@ def probe_run(fn, stream, with_sms=False):
 
 
 def block_lines(b, sms, slot, top):
-    """The ``top`` blocks of kernel ``slot`` that stamped last, one line each: its SM and
-    each stage's SM cycles from its entry; then how many blocks and distinct SMs there were."""
+    """Kernel ``slot``'s blocks one by one, the ``top`` that stamped last (global timer)
+    first: a line of how many blocks on how many SMs, then a line a block with its SM, its
+    entry and last stamp in ns from the slot's first entry, and each stage's SM cycles from
+    its entry."""
     blocks = [blk for blk in range(PROBE_BLOCKS) if b[slot, blk, 0, 0]]
     if not blocks:
         return []
     names = STAGES[slot]
-    last = {blk: max(b[slot, blk, s, 0] for s in range(len(names))) - b[slot, blk, 0, 0]
-            for blk in blocks}
+    t0 = min(b[slot, blk, 0, 1] for blk in blocks)
+    last = {blk: max(b[slot, blk, s, 1] for s in range(len(names))) - t0 for blk in blocks}
     lines = [f"   {KERNEL[slot]} by block, the {min(top, len(blocks))} last of {len(blocks)} "
              f"(on {len({int(sms[slot, blk]) for blk in blocks})} SMs):"]
-    for blk in sorted(blocks, key=lambda k: -last[k])[:top]:
+    for blk in sorted(blocks, key=lambda k: (-last[k], k))[:top]:
         parts = [f"{nm} {int(b[slot, blk, s, 0] - b[slot, blk, 0, 0])}c"
                  for s, nm in enumerate(names) if s > 0 and b[slot, blk, s, 0]]
-        lines.append(f"     block {blk:3d} sm {int(sms[slot, blk]):3d}: " + "; ".join(parts))
+        lines.append(f"     block {blk:3d} sm {int(sms[slot, blk]):3d} "
+                     f"@{int(b[slot, blk, 0, 1] - t0)}-{int(last[blk])}ns: " + "; ".join(parts))
     return lines
 
 

@@ -188,18 +188,26 @@ def test_stage_probe_reads_every_stamp_the_kernels_write():
 
 
 def test_stage_probe_lists_the_last_blocks_with_their_sms():
-    """stage_probe's --by-block lines: the blocks of one kernel slot that stamped last first,
-    each with its SM and every stage it stamped (cycles from its entry); blocks that did not
-    stamp are left out."""
+    """stage_probe's --by-block lines: the blocks of one kernel slot whose last stamp came
+    last (global timer) first, each with its SM, its window in ns and every stage it stamped
+    (SM cycles from its entry); blocks that did not stamp are left out."""
     probe = _load_script("stage_probe")
     order = list(probe.KERNEL.values()).index("order")
     b = np.zeros((probe.SLOTS, probe.PROBE_BLOCKS, probe.PROBE_STAGES, 2), np.int64)
     sms = np.full((probe.SLOTS, probe.PROBE_BLOCKS), -1, np.int64)
-    for blk, (entry, end, sm) in enumerate([(100, 900, 7), (100, 3100, 8), (200, 1200, 7)]):
-        b[order, blk, 0, 0], b[order, blk, 1, 0], b[order, blk, 5, 0] = entry, entry + 50, end
+    # (entry cycles, end cycles, entry ns, end ns, SM): block 2 ends last by the timer,
+    # block 1 has the most cycles.
+    for blk, (c0, c1, t0, t1, sm) in enumerate([(100, 900, 1000, 1500, 7),
+                                               (100, 3100, 1000, 2500, 8),
+                                               (200, 1200, 2000, 2600, 7)]):
+        b[order, blk, 0] = c0, t0
+        b[order, blk, 1] = c0 + 50, t0 + 20
+        b[order, blk, 5] = c1, t1
         sms[order, blk] = sm
     lines = probe.block_lines(b, sms, order, top=2)
     assert lines[0].strip() == "order by block, the 2 last of 3 (on 2 SMs):"
-    assert lines[1].split() == ["block", "1", "sm", "8:", "warps", "50c;", "end", "3000c"]
-    assert lines[2].split()[:4] == ["block", "2", "sm", "7:"] and len(lines) == 3
+    assert lines[1].split() == ["block", "2", "sm", "7", "@1000-1600ns:", "warps", "50c;",
+                                "end", "1000c"]
+    assert lines[2].split()[:5] == ["block", "1", "sm", "8", "@0-1500ns:"]
+    assert len(lines) == 3
     assert probe.block_lines(b, sms, 0, top=2) == []
