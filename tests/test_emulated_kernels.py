@@ -80,9 +80,13 @@ class Case:
         self.shapes = [(r, P) if self.lora else (P,), (r, M) if self.lora else (M,), (r,)]
         if self.scatter:
             self.shapes.append((T * K,))
+        self.answer()
+        self.bufs = [guarded(sh, np) for sh in self.shapes]
+
+    def answer(self):
+        """NumPy's answer into poisoned buffers (again, after a test rewrites the routes)."""
         self.want = [np.full(sh, POISON, np.int32) for sh in self.shapes]
         _call.run_on_host(self.prepare(self.want, False).job)
-        self.bufs = [guarded(sh, np) for sh in self.shapes]
 
     def prepare(self, outs, det):
         map_mode = _call.map_mode(self.expert_map, self.map_before)
@@ -261,8 +265,7 @@ def test_sorted_segments_of_every_length(emu, count, variant):
     flat = case.ids.reshape(-1)
     flat[flat == 5] = 6
     flat[rng.choice(flat.size, size=count, replace=False)] = 5
-    case.want = [np.full(sh, POISON, np.int32) for sh in case.shapes]
-    _call.run_on_host(case.prepare(case.want, False).job)
+    case.answer()
     if _refused(variant, True, flat.size, 64, 1, SORTED):
         pytest.skip("the dispatcher refuses this variant at these sizes")
     launch = _run(emu, case, True, variant, SORTED, seeds=(0,))
@@ -293,8 +296,7 @@ def test_hot_segments_among_short_ones(emu, hot, variant):
     flat = case.ids.reshape(-1)
     picked = rng.random(flat.size) < 1 / 3
     flat[picked] = rng.choice(np.array(hot, dtype=flat.dtype), size=int(picked.sum()))
-    case.want = [np.full(sh, POISON, np.int32) for sh in case.shapes]
-    _call.run_on_host(case.prepare(case.want, False).job)
+    case.answer()
     if _refused(variant, True, flat.size, 4 * 64, 4, SORTED):
         pytest.skip("the dispatcher refuses this variant at these sizes")
     launch = _run(emu, case, True, variant, SORTED, seeds=(0, 1))

@@ -66,14 +66,15 @@ def _base_case(E, T, variant, deterministic, salt, *, expert_map_mode=None, scat
 
 def _lora_case(E, T, variant, deterministic, salt, *, max_loras=None, with_ids=True,
                disabled=None, allocate=False, use_map=False, topk=None, policy=None,
-               block_size=None):
+               block_size=None, routing=None):
+    """``routing``: a function (rng, T, K, E) -> ids in place of the case's own kind."""
     rng, K, B, dtype, kind = _case_params(E, T, salt)
     K, B = topk or K, block_size or B
     if max_loras is None:
         max_loras = (1, 4, 16)[(E + T + salt) % 3]
     if disabled is None:  # one slot disabled, unless it is the only one (nothing to align)
         disabled = 1 if max_loras > 1 else 0
-    ids = make_routing(rng, T, K, E, dtype, kind)
+    ids = make_routing(rng, T, K, E, dtype, kind) if routing is None else routing(rng, T, K, E)
     mapping, lora_ids, enabled = make_lora(rng, T, max_loras, disabled=disabled)
     if not with_ids:
         lora_ids = None
@@ -854,24 +855,8 @@ def test_order_lora_hot_experts(T, E, L, variant):
     segments among short ones, more of them than blocks at E=64 and E=8, in the cooperative
     kernel's sort and align_order's; exact against the NumPy backend, guards intact."""
     _skip_unless_runs(variant, True, T * 8, L * E, L, SORTED)
-    rng = np.random.default_rng(T + E + L)
-    ids = bench_routing(rng, T, 8, E, "skewed")
-    mapping, lora_ids, enabled = make_lora(rng, T, L, disabled=1)
-    kw = dict(lora_ids=lora_ids, adapter_enabled=enabled)
-    P, M = mla.buffer_sizes(T * 8, E, 64)
-    shapes = ((L, P), (L, M), (L,))
-    host = [guarded(list(sh), np) for sh in shapes]
-    dev = [guarded(list(sh), cupy) for sh in shapes]
-    mla.moe_lora_align_block_size(ids, mapping, 64, E, L, out=[v for _, v in host], **kw)
-    mla.moe_lora_align_block_size(cupy.asarray(ids), cupy.asarray(mapping), 64, E, L,
-                                  deterministic=True, variant=variant, policy=SORTED,
-                                  out=[v for _, v in dev],
-                                  **{k: cupy.asarray(v) for k, v in kw.items()})
-    cupy.cuda.get_current_stream().synchronize()
-    for (hw, hv), (dw, dv) in zip(host, dev):
-        w = dw.get()
-        assert (w[:GUARD] == POISON).all() and (w[-GUARD:] == POISON).all()
-        np.testing.assert_array_equal(dv.get(), hv)
+    _lora_case(E, T, variant, True, salt=63, max_loras=L, topk=8, block_size=64, disabled=1,
+               policy=SORTED, routing=lambda rng, T, K, E: bench_routing(rng, T, K, E, "skewed"))
 
 
 @pytest.mark.parametrize("streams", [None, "one", "two"])
