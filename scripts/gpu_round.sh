@@ -27,7 +27,8 @@
 #              decode kernels' alignment twice in one block, pass against pass (cold caches
 #              or work); twice.txt, twice.json
 #   stamps     stage_probe.py --stamps-only alone (STAMPS_ONLY, STAMPS_S; STAMPS_BY_BLOCK: kernel
-#              slots such as "order,coop" whose last blocks to list one by one, with their SMs):
+#              slots such as "order,coop" whose last blocks to list one by one, with their SMs;
+#              STAMPS_KERNELS: a carried kernels/ folder to build instead, e.g. a branch's):
 #              stamps_only.txt;
 #              with STAMPS_POLICY (AlignPolicy fields as NAME=INT,...) a second run under that
 #              policy: stamps_only_policy.txt
@@ -65,7 +66,7 @@ stamps() {
   for policy in "" ${STAMPS_POLICY:+"$STAMPS_POLICY"}; do
     timeout ${STAMPS_S:-180} python3 scripts/stage_probe.py --stamps-only \
       --only "${STAMPS_ONLY:-"', 1, "}" ${policy:+--policy "$policy"} \
-      ${STAMPS_BY_BLOCK:+--by-block "$STAMPS_BY_BLOCK"} \
+      ${STAMPS_BY_BLOCK:+--by-block "$STAMPS_BY_BLOCK"} ${STAMPS_KERNELS:+--kernels "$STAMPS_KERNELS"} \
       --out /tmp/stage-probe 2>&1 | tee "$file" | tail -40
     finish "stamps${policy:+ ($policy)}" "${PIPESTATUS[0]}"
     file=${1%.txt}_policy.txt

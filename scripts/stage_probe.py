@@ -91,6 +91,9 @@ CASES = [  # op ("... det": deterministic=True), T, E, K, B, L
     # the anchors' row nearest 3 % in r53; the skewed deterministic LoRA sort (r53's deals)
     ("lora", 16, 64, 6, 16, 4), ("lora det skewed", 2048, 256, 8, 64, 16),
     ("lora det skewed", 3072, 256, 8, 64, 16), ("lora det skewed", 4096, 256, 8, 64, 16),
+    # the same hot segments of 1600 routes (r54: where sorting a block's long ones together lost)
+    ("lora det skewed", 16384, 256, 8, 64, 16), ("lora skewed", 16384, 256, 8, 64, 16),
+    ("lora skewed", 4096, 256, 8, 64, 16),
 ]
 STAGES = {0: ["entry", "rows+fill", "claim", "scan", "stores", "end", "wait from",
               "group walk"],
@@ -302,6 +305,9 @@ def main():
     ap.add_argument("--by-block", default="",
                     help="kernel slots (" + ", ".join(KERNEL.values()) + "), ','-separated, "
                          "whose last blocks to print one by one, with their SMs")
+    ap.add_argument("--kernels", type=Path, default=None,
+                    help="a kernels/ folder to build instead of the package's (another "
+                         "commit's, e.g. a branch's `git archive BRANCH kernels` unpacked)")
     ap.add_argument("--policy", default="",
                     help="AlignPolicy fields for every case, as NAME=INT,... (e.g. "
                          "cluster_min_routes=0,cluster_max_routes=65536)")
@@ -311,6 +317,9 @@ def main():
         POLICY = mla.AlignPolicy(**{k: int(v) for k, v in
                                     (kv.split("=") for kv in args.policy.split(","))})
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.kernels:  # reload_kernels keeps the source folder and changes only the options
+        _kernels.use_build(dataclasses.replace(_kernels.current_build(),
+                                               source_dir=args.kernels.resolve()))
     CASES[:] = [c for c in cases_matching(CASES, args.only) if c[1] >= args.min_tokens]
     stream = cupy.cuda.Stream(non_blocking=True)
     report = {"graph_calls": GRAPH_CALLS}
