@@ -101,6 +101,11 @@ class AlignPolicy:
     # line 16: base T=65536 E=64 10.27 against 10.32 us, deterministic 13.32 against 13.52;
     # LoRA T=16384 16 slots kept its fill SMs: 14.63 against 15.49 without, line 14).
     coop_fill_sms_min_entries_per_route: int = 2
+    # Deterministic calls that sort their segments (sort_min_buckets) take the fill SMs too:
+    # the fill blocks write the fill and leave, and the counting blocks (at least one per two
+    # buckets, where the SMs allow) sort after the second barrier. Without them every block
+    # fills before it counts.
+    coop_fill_sms_sorted: bool = False
     # From this many output entries align_tiny (past one warp's routes) gets fill blocks:
     # a block per fill_per_block entries writes the fill while block 0 counts. LoRA rows
     # gain at every size since r44's faster fill blocks (r45, H100: T=16 E=64 16 slots 3.90
@@ -517,7 +522,7 @@ def _cooperative_blocks(numel, num_buckets, rows, limits, out_entries, determini
                         block, fill_sms=False):
     """``fill_sms``: blocks of BLOCK threads, the fill blocks on SMs of their own
     (``coop_fill_sm_entries``), the routes in chunks of whole warps over the other SMs; None
-    where no SM is left over or the launch sorts."""
+    where no SM is left over, or the launch sorts and ``coop_fill_sms_sorted`` is off."""
     if fill_sms:
         wanted = _ceil_div(out_entries, policy.coop_fill_sm_entries)
         fill = min(wanted, limits.sm_count - _ceil_div(max(numel, 1), COOP_ITEMS * block))
@@ -544,11 +549,14 @@ def _cooperative_blocks(numel, num_buckets, rows, limits, out_entries, determini
     else:
         return None
     if fill_sms:
-        if sort:  # the segment sort spreads over the SMs: none left over to fill
+        if sort and not policy.coop_fill_sms_sorted:
             return None
         counting = max(1, _ceil_div(numel, chunk))
+        if sort:  # blocks past the last chunk only sort: about two segments a block
+            counting = max(counting, min(limits.sm_count - fill, _ceil_div(num_buckets, 2)))
         return Launch("cooperative", "cooperative", deterministic, block,
-                      grid=counting + fill, chunk=chunk, smem_place=smem, fill_grid=fill)
+                      grid=counting + fill, chunk=chunk, smem_place=smem, sorted=sort,
+                      fill_grid=fill)
     fill = min(limits.sm_count, _ceil_div(out_entries, policy.fill_per_block))
     sort_blocks = min(limits.sm_count, _ceil_div(num_buckets, 2)) if sort else 1
     counting = max(1, _ceil_div(numel, chunk), sort_blocks)

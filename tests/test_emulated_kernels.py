@@ -571,6 +571,13 @@ COOP_FILL = {"fill_blocks": AlignPolicy(coop_fill_blocks_from=0, coop_fill_sms_f
              "fill_sms": AlignPolicy(coop_fill_sms_from=0, coop_fill_sm_entries=4096,
                                      coop_fill_sms_min_entries_per_route=0,
                                      coop_fill_blocks_below=0, coop_fill_blocks_free_below=0),
+             # deterministic: the segment sort (every size) on the counting blocks, the fill
+             # blocks beside them
+             "fill_sms_sorted": AlignPolicy(coop_fill_sms_from=0, coop_fill_sm_entries=4096,
+                                            coop_fill_sms_min_entries_per_route=0,
+                                            coop_fill_blocks_below=0,
+                                            coop_fill_blocks_free_below=0,
+                                            coop_fill_sms_sorted=True, sort_min_buckets=0),
              "no_fill_blocks": AlignPolicy(coop_fill_blocks_from=1 << 62)}
 SPLIT_MOST = emulator.LIMITS.sm_count * _dispatch.COOP_ITEMS * _dispatch.FILL_SPLIT_BLOCK
 WHOLE_MOST = (emulator.LIMITS.sm_count - 1) * _dispatch.COOP_ITEMS * _dispatch.BLOCK
@@ -580,10 +587,12 @@ def _coop_fill_launch(numel, buckets, rows, det, how):
     launch = _dispatch.choose_launch(numel, buckets, rows, emulator.LIMITS, deterministic=det,
                                      variant="cooperative", out_entries=numel,
                                      policy=COOP_FILL[how])
-    most = WHOLE_MOST if how == "fill_sms" else SPLIT_MOST
-    filled = how != "no_fill_blocks" and not launch.sorted and numel <= most
+    most = WHOLE_MOST if how.startswith("fill_sms") else SPLIT_MOST
+    sorts = how == "fill_sms_sorted" and det
+    assert launch.sorted == sorts or how != "fill_sms_sorted"
+    filled = how != "no_fill_blocks" and (sorts or not launch.sorted) and numel <= most
     assert bool(launch.fill_grid) == filled
-    if filled and how == "fill_sms":
+    if filled and how.startswith("fill_sms"):
         assert launch.block == _dispatch.BLOCK and launch.grid <= emulator.LIMITS.sm_count
 
 

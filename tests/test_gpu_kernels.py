@@ -1,5 +1,6 @@
 """Every kernel variant against the NumPy oracle, on poisoned, guarded outputs (GPU only)."""
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -332,6 +333,13 @@ COOP_FILL = {"fill_blocks": mla.AlignPolicy(coop_fill_blocks_from=0,
                                          coop_fill_sms_min_entries_per_route=0,
                                          coop_fill_blocks_below=0,
                                          coop_fill_blocks_free_below=0),
+             # deterministic: the segment sort (every size) on the counting blocks, the fill
+             # blocks beside them
+             "fill_sms_sorted": mla.AlignPolicy(coop_fill_sms_from=0, coop_fill_sm_entries=8192,
+                                                coop_fill_sms_min_entries_per_route=0,
+                                                coop_fill_blocks_below=0,
+                                                coop_fill_blocks_free_below=0,
+                                                coop_fill_sms_sorted=True, sort_min_buckets=0),
              "no_fill_blocks": mla.AlignPolicy(coop_fill_blocks_from=1 << 62)}
 
 
@@ -340,11 +348,14 @@ def _coop_fill_launch(numel, buckets, rows, det, how):
     launch = mla._dispatch.choose_launch(numel, buckets, rows, limits, deterministic=det,
                                          variant="cooperative", out_entries=numel,
                                          policy=COOP_FILL[how])
-    block = mla._dispatch.BLOCK if how == "fill_sms" else mla._dispatch.FILL_SPLIT_BLOCK
-    most = (limits.sm_count - (how == "fill_sms")) * mla._dispatch.COOP_ITEMS * block
-    filled = how != "no_fill_blocks" and not launch.sorted and numel <= most
+    whole = how.startswith("fill_sms")
+    block = mla._dispatch.BLOCK if whole else mla._dispatch.FILL_SPLIT_BLOCK
+    most = (limits.sm_count - whole) * mla._dispatch.COOP_ITEMS * block
+    sorts = how == "fill_sms_sorted" and det
+    assert launch.sorted == sorts or how != "fill_sms_sorted"
+    filled = how != "no_fill_blocks" and (sorts or not launch.sorted) and numel <= most
     assert bool(launch.fill_grid) == filled
-    if filled and how == "fill_sms":
+    if filled and whole:
         assert launch.block == mla._dispatch.BLOCK and launch.grid <= limits.sm_count
     return launch
 
@@ -847,16 +858,20 @@ def test_order_lora(E, T, rows, variant, how):
                use_map=True, with_ids=False, disabled=2, policy=policy)
 
 
-@pytest.mark.parametrize("variant", [None, "cooperative", "shared"])
+@pytest.mark.parametrize("variant,fill_sms", [(None, False), ("cooperative", False),
+                                              ("shared", False), (None, True),
+                                              ("cooperative", True)])
 @pytest.mark.parametrize("T,E,L", [(2048, 256, 16), (3072, 256, 16), (4096, 256, 16),
                                    (16384, 256, 16), (16384, 64, 4), (4096, 8, 40)])
-def test_order_lora_hot_experts(T, E, L, variant):
+def test_order_lora_hot_experts(T, E, L, variant, fill_sms):
     """The benchmark's skewed routing (most routes on 4 hot experts): in every slot a few long
     segments among short ones, more of them than blocks at E=64 and E=8, in the cooperative
-    kernel's sort and align_order's; exact against the NumPy backend, guards intact."""
-    _skip_unless_runs(variant, True, T * 8, L * E, L, SORTED)
+    kernel's sort (``fill_sms``: beside fill blocks, where its fill SMs apply) and
+    align_order's; exact against the NumPy backend, guards intact."""
+    policy = dataclasses.replace(SORTED, coop_fill_sms_sorted=fill_sms)
+    _skip_unless_runs(variant, True, T * 8, L * E, L, policy)
     _lora_case(E, T, variant, True, salt=63, max_loras=L, topk=8, block_size=64, disabled=1,
-               policy=SORTED, routing=lambda rng, T, K, E: bench_routing(rng, T, K, E, "skewed"))
+               policy=policy, routing=lambda rng, T, K, E: bench_routing(rng, T, K, E, "skewed"))
 
 
 @pytest.mark.parametrize("streams", [None, "one", "two"])
