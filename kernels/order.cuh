@@ -10,8 +10,8 @@
 // segment is exactly that. Cheaper than ranking in flat order during the first launch, which
 // needs per-block counts of every bucket prefixed across blocks.
 //
-// Warps sort the segments of at most ORDER_WARP_MAX entries in registers (a bitonic network,
-// or each route's rank counted against the others). A block sorts each longer one: up to
+// Warps sort the segments of at most ORDER_WARP_MAX entries in registers (bitonic networks
+// across the lanes, a column of 32 entries each). A block sorts each longer one: up to
 // ORDER_DIGITS_MAX entries by a counting sort on digits of the route indices, more through a
 // bitmap of the numel route indices with a summary bit for every nonzero word of it (reading
 // it back costs numel / 1024 and the routes).
@@ -24,9 +24,37 @@
 #define ORDER_DIGITS_MAX 4096             // entries a block sorts by digits; more: by the bitmap
 #define ORDER_BLOCK_ITEMS 4               // entries a thread of a block holds: ORDER_DIGITS_MAX / 1024
 
+// x sorted ascending across the warp's lanes (lane l ends with the l-th smallest), by a
+// bitonic network of shuffles. Every lane calls it.
+__device__ __forceinline__ int sort_over_lanes(int x) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int k = 2; k <= 32; k <<= 1) {
+#pragma unroll
+    for (int j = k >> 1; j > 0; j >>= 1) {
+      const int y = __shfl_xor_sync(MLA_FULL_MASK, x, j);
+      x = (((lane & j) == 0) == ((lane & k) == 0)) ? min(x, y) : max(x, y);
+    }
+  }
+  return x;
+}
+
+// How many of `col`'s 32 values (one a lane, ascending over the lanes) are below x, which
+// may differ from lane to lane: a binary search over the lanes. Every lane calls it.
+__device__ __forceinline__ int count_below_over_lanes(int col, int x) {
+  int below = 0;
+#pragma unroll
+  for (int step = 16; step > 0; step >>= 1)
+    if (__shfl_sync(MLA_FULL_MASK, col, below + step - 1) < x) below += step;
+  // below <= 31 here: the last lane's value is below x too where every one is
+  return below + (__shfl_sync(MLA_FULL_MASK, col, 31) < x ? 1 : 0);
+}
+
 // Sort the routes of seg[0, n) (sentinels stay at the back), n <= ORDER_WARP_MAX, by one
-// warp: up to 32 routes by a bitonic network across the lanes, more by counting each one's
-// rank against the others. Every lane calls it.
+// warp: up to 32 routes by a bitonic network across the lanes; more column by column (the
+// entries k * 32 + lane of each k sorted across the lanes the same way), a route's place
+// then its place in its column and the count of every other column's entries below it.
+// Every lane calls it.
 __device__ __forceinline__ void sort_in_warp(int* seg, int n, int sentinel) {
   const int lane = threadIdx.x & 31;
   int v[ORDER_ITEMS], routes = 0;
@@ -38,35 +66,24 @@ __device__ __forceinline__ void sort_in_warp(int* seg, int n, int sentinel) {
   }
   if (routes <= 1) return;
   if (routes <= 32) {
-    int x = v[0] < sentinel ? v[0] : 0x7fffffff;
-#pragma unroll
-    for (int k = 2; k <= 32; k <<= 1) {
-#pragma unroll
-      for (int j = k >> 1; j > 0; j >>= 1) {
-        const int y = __shfl_xor_sync(MLA_FULL_MASK, x, j);
-        x = (((lane & j) == 0) == ((lane & k) == 0)) ? min(x, y) : max(x, y);
-      }
-    }
+    const int x = sort_over_lanes(v[0] < sentinel ? v[0] : 0x7fffffff);
     if (lane < routes) seg[lane] = x;
     return;
   }
-  // The routes are the first `routes` entries, all distinct: a rank is the count of smaller ones.
-  const int held = (routes + 31) >> 5;  // entries a lane holds
-  int rank[ORDER_ITEMS] = {};
-#pragma unroll
-  for (int k2 = 0; k2 < ORDER_ITEMS; ++k2) {
-    if (k2 >= held) break;  // the same on every lane
-#pragma unroll 8
-    for (int l = 0; l < 32; ++l) {
-      const int x = __shfl_sync(MLA_FULL_MASK, v[k2], l);
-#pragma unroll
-      for (int k = 0; k < ORDER_ITEMS; ++k)
-        if (k < held) rank[k] += x < v[k];
-    }
-  }
+  // The routes are the first `routes` entries, all distinct; the columns past them hold none.
+  const int held = (routes + 31) >> 5;
 #pragma unroll
   for (int k = 0; k < ORDER_ITEMS; ++k)
-    if (k * 32 + lane < routes) seg[rank[k]] = v[k];
+    if (k < held) v[k] = sort_over_lanes(v[k]);  // the same `held` on every lane
+#pragma unroll
+  for (int k = 0; k < ORDER_ITEMS; ++k) {
+    if (k >= held) break;
+    int place = lane;
+#pragma unroll
+    for (int other = 0; other < ORDER_ITEMS; ++other)
+      if (other != k && other < held) place += count_below_over_lanes(v[other], v[k]);
+    if (v[k] < sentinel) seg[place] = v[k];
+  }
 }
 
 // Sort the routes at the front of seg[0, n) (ORDER_WARP_MAX < n <= ORDER_DIGITS_MAX; the

@@ -81,7 +81,7 @@ CASES = [  # op, T, E, K, B, L
     # free-order bounds (661K entries; 196608 routes)
     ("base", 32768, 256, 8, 64, None), ("lora", 2048, 256, 8, 64, 16),
     ("lora", 8192, 256, 8, 64, 4), ("lora", 3072, 256, 8, 64, 16),
-    ("lora", 1024, 256, 8, 64, 16),
+    ("lora", 1024, 256, 8, 64, 16), ("pair", 4096, 256, 8, 64, 16),
     ("lora", 24576, 256, 8, 64, 2),
     # the anchors' rows nearest the 3 % rule on the H100 (r50): few experts at 65536 tokens,
     # and one slot of 16 tokens

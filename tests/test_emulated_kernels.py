@@ -255,11 +255,12 @@ def test_policy_paths(emu, T, E, rows, variant, policy, det):
 
 
 @pytest.mark.parametrize("variant", [None, "shared", "global", "cooperative"])
-@pytest.mark.parametrize("count", [1, 33, _dispatch.ORDER_WARP_MAX + 1, 1000,
+@pytest.mark.parametrize("count", [1, 33, 70, _dispatch.ORDER_WARP_MAX - 1,
+                                   _dispatch.ORDER_WARP_MAX, _dispatch.ORDER_WARP_MAX + 1, 1000,
                                    _dispatch.ORDER_DIGITS_MAX + 1])
 def test_sorted_segments_of_every_length(emu, count, variant):
-    """One expert with ``count`` routes among 8192 (sorted by a warp, by a block's digits,
-    then by the bitmap), exact against NumPy."""
+    """One expert with ``count`` routes among 8192 (sorted by a warp: one column of lanes,
+    or up to four merged; by a block's digits, then by the bitmap), exact against NumPy."""
     case = Case(1024, 8, 64, 16, seed=count)
     rng = np.random.default_rng(count)
     flat = case.ids.reshape(-1)
