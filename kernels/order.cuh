@@ -86,24 +86,14 @@ __device__ __forceinline__ void sort_in_warp(int* seg, int n, int sentinel) {
   }
 }
 
-// The entries of sort_by_digits' digits before key's, once its scatter has left each digit's
-// end in start[digit].
-__device__ __forceinline__ int entries_before_digit(const int* start, int shift, int key) {
-  const int d = key >> shift;
-  return d > 0 ? start[d - 1] : 0;
-}
-
-// Sort the entries below `sentinel` that the block holds (at most n, ORDER_WARP_MAX < n <=
-// ORDER_DIGITS_MAX; thread t holds entry t + k * blockDim in v[k], and entries at or above
-// `sentinel` take no part), all distinct, and hand each to store(k, rank, start, shift),
-// where entries_before_digit(start, shift, key) counts the entries in the digits before
-// key's. A counting sort on digits of
-// [0, sentinel), at least a digit an entry, then each entry's rank among its digit's few (a
-// digit spans sentinel / digits values, so however the values cluster it holds at most that
-// many). Shared memory: vals[n] | start[digits + 1] | scan sums[32]. Every thread calls it.
-template <typename Store>
-__device__ __forceinline__ void sort_by_digits(const int (&v)[ORDER_BLOCK_ITEMS], int n,
-                                               int sentinel, int* smem, Store store) {
+// Sort the routes at the front of seg[0, n) (ORDER_WARP_MAX < n <= ORDER_DIGITS_MAX; the
+// entries at or above `sentinel` stay behind them) by the whole block; thread t holds entry
+// t + k * blockDim in v[k]. A counting sort on digits of [0, sentinel), at least a digit an
+// entry, then each route's rank among its digit's few (a digit spans sentinel / digits
+// values, so however the values cluster it holds at most that many). Shared memory:
+// vals[n] | start[digits + 1] | scan sums[32]. Every thread calls it.
+__device__ void sort_by_digits(int* seg, const int (&v)[ORDER_BLOCK_ITEMS], int n, int sentinel,
+                               int* smem) {
   int digits = 2;
   while (digits < n) digits <<= 1;
   int shift = 0;
@@ -126,66 +116,12 @@ __device__ __forceinline__ void sort_by_digits(const int (&v)[ORDER_BLOCK_ITEMS]
 #pragma unroll
   for (int k = 0; k < ORDER_BLOCK_ITEMS; ++k) {
     if (v[k] < sentinel) {
-      const int end = start[v[k] >> shift];
-      int rank = entries_before_digit(start, shift, v[k]);
+      const int d = v[k] >> shift, end = start[d];
+      int rank = d > 0 ? start[d - 1] : 0;
       for (int q = rank; q < end; ++q) rank += vals[q] < v[k];
-      store(k, rank, start, shift);
+      seg[rank] = v[k];
     }
   }
-}
-
-// The block's long segments of a round (`longs` of them in long_bucket, two or more) sorted
-// together by one digit sort, where they hold at most ORDER_DIGITS_MAX entries in all: so
-// one sort's loads and barriers serve them all, where hot buckets (skewed routing) put two
-// or three on one block. Segment j's route v has the key j * span + v (span: numel rounded
-// up to a power of two, so that every segment's keys start a digit of the sort); its
-// sentinels take no part and stay where they are, behind its routes. A route's place is
-// then its rank less the routes of the digits before its segment's first key.
-// Every warp works out the segments' sizes itself (lane j: segment j). Returns false, having
-// done nothing, where they do not fit; the same on every thread. Every thread calls it.
-template <typename SegmentFn>
-__device__ bool sort_long_together(const Problem& p, const int* long_bucket, int longs,
-                                   SegmentFn segment, int* scratch) {
-  const int lane = threadIdx.x & 31;
-  int size = 0;
-  if (lane < longs) segment(long_bucket[lane], &size);
-  const int inclusive = warp_inclusive_sum(size);
-  const int total = __shfl_sync(MLA_FULL_MASK, inclusive, 31);
-  int span = 1;
-  while (span < p.numel) span <<= 1;
-  // The digits (at least the entries, longs * 129 of them) then outnumber the segments, so
-  // a digit spans at most `span` keys and a segment's first key starts one.
-  if (total > ORDER_DIGITS_MAX || (long long)longs * span > 0x7fffffffLL) return false;
-  const int first_of_lane = inclusive - size;  // the segment's first entry in the whole
-  const int none = longs * span;  // above every key: takes no part
-  int v[ORDER_BLOCK_ITEMS];
-#pragma unroll
-  for (int k = 0; k < ORDER_BLOCK_ITEMS; ++k) {
-    const int i = k * blockDim.x + threadIdx.x;
-    int j = 0;  // the last segment that starts at or before entry i (every lane searches)
-#pragma unroll
-    for (int step = 16; step > 0; step >>= 1) {
-      const int start = __shfl_sync(MLA_FULL_MASK, first_of_lane, j + step);
-      if (j + step < longs && start <= i) j += step;
-    }
-    const int first = __shfl_sync(MLA_FULL_MASK, first_of_lane, j);
-    v[k] = none;
-    if (i < total) {
-      int n;
-      const int x = __ldcg(segment(long_bucket[j], &n) + (i - first));
-      if (x < p.numel) v[k] = j * span + x;
-    }
-  }
-  MLA_STAMP(5, 6);
-  __syncthreads();  // the previous segment done with the shared memory
-  sort_by_digits(v, total, none, scratch, [&](int k, int rank, const int* start, int shift) {
-    const int j = v[k] / span;
-    int n;
-    segment(long_bucket[j], &n)[rank - entries_before_digit(start, shift, j * span)] =
-        v[k] - j * span;
-  });
-  MLA_STAMP(5, 3);
-  return true;
 }
 
 // Sort the routes at the front of seg[0, n) (n more than ORDER_DIGITS_MAX; the sentinels
@@ -269,12 +205,7 @@ __device__ void order_segments(const Problem& p, const int* starts, int block, i
     __syncthreads();
     MLA_STAMP(5, 1);
     const int longs = num_long[turn];
-    int sorted = 0;  // long segments sorted together
-    if (longs > 1 && sort_long_together(p, long_bucket, longs, segment, scratch)) {
-      sorted = longs;
-      zeroed = false;  // the bitmap's memory was the staging area
-    }
-    for (int j = sorted; j < longs; ++j) {
+    for (int j = 0; j < longs; ++j) {
       int n;
       int* seg = segment(long_bucket[j], &n);
       if (n <= ORDER_DIGITS_MAX) {
@@ -286,8 +217,7 @@ __device__ void order_segments(const Problem& p, const int* starts, int block, i
         }
         MLA_STAMP(5, 6);
         __syncthreads();  // the previous segment done with the shared memory
-        sort_by_digits(v, n, p.numel, scratch,
-                       [&](int k, int rank, const int*, int) { seg[rank] = v[k]; });
+        sort_by_digits(seg, v, n, p.numel, scratch);
         MLA_STAMP(5, 3);
         zeroed = false;  // the bitmap's memory was the staging area
       } else {
