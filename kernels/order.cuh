@@ -106,9 +106,11 @@ __device__ void sort_by_digits(int* seg, const int (&v)[ORDER_BLOCK_ITEMS], int 
   for (int k = 0; k < ORDER_BLOCK_ITEMS; ++k)
     if (v[k] < sentinel) atomicAdd(start + (v[k] >> shift), 1);
   __syncthreads();
+  MLA_STAMP(5, 7);
   // start[d] := the first place of digit d; the scatter's claims then leave it at the
   // digit's end, which is where digit d + 1 starts.
   scan_block(digits, [&](int d) { return start[d]; }, start, start + digits + 1);
+  MLA_STAMP(5, 2);
 #pragma unroll
   for (int k = 0; k < ORDER_BLOCK_ITEMS; ++k)
     if (v[k] < sentinel) vals[atomicAdd(start + (v[k] >> shift), 1)] = v[k];

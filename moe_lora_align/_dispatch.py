@@ -104,7 +104,9 @@ class AlignPolicy:
     # Deterministic calls that sort their segments (sort_min_buckets) take the fill SMs too:
     # the fill blocks write the fill and leave, and the counting blocks (at least one per two
     # buckets, where the SMs allow) sort after the second barrier. Without them every block
-    # fills before it counts.
+    # fills before it counts. Off: r54 (H100) measured it faster at T=1024 to 4096 of LoRA
+    # E=256 B=64 16 slots (uniform 0.5 to 0.9 us) but slower at T=16384 (3.8 us, 60 blocks
+    # left to sort) and skewed T=1024 (2.8 us); docs/tuning.md has the rows.
     coop_fill_sms_sorted: bool = False
     # From this many output entries align_tiny (past one warp's routes) gets fill blocks:
     # a block per fill_per_block entries writes the fill while block 0 counts. LoRA rows

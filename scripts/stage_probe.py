@@ -104,7 +104,7 @@ STAGES = {0: ["entry", "rows+fill", "claim", "scan", "stores", "end", "wait from
           3: ["entry", "rows+fill", "claim", "staged", "barrier", "scan+adj", "end",
               "det barrier 1"],
           4: ["entry", "rows", "fill", "claim+barrier", "remote reads", "scan", "stores", "end"],
-          5: ["entry", "warps", "range", "digits", "bitmap", "end", "loads", "counted"],
+          5: ["entry", "warps", "scanned", "digits", "bitmap", "end", "loads", "counted"],
           6: ["ranked", "prefix"],
           7: ["entry", "rows", "stores issued", "block issued", "fenced"]}
 KERNEL = {0: "single", 1: "count", 2: "place", 3: "coop", 4: "cluster", 5: "order",
