@@ -590,7 +590,8 @@ def _coop_fill_launch(numel, buckets, rows, det, how):
                                      policy=COOP_FILL[how])
     most = WHOLE_MOST if how.startswith("fill_sms") else SPLIT_MOST
     sorts = how == "fill_sms_sorted" and det
-    assert launch.sorted == sorts or how != "fill_sms_sorted"
+    if how == "fill_sms_sorted":  # deterministic calls sort there, beside fill blocks
+        assert launch.sorted == det
     filled = how != "no_fill_blocks" and (sorts or not launch.sorted) and numel <= most
     assert bool(launch.fill_grid) == filled
     if filled and how.startswith("fill_sms"):
