@@ -550,18 +550,18 @@ def _cooperative_blocks(numel, num_buckets, rows, limits, out_entries, determini
             break
     else:
         return None
+    # Blocks past the last chunk (of the SMs the fill SMs leave) only sort, about two
+    # segments a block, or fill.
+    sort_blocks = _ceil_div(num_buckets, 2) if sort else 1
     if fill_sms:
         if sort and not policy.coop_fill_sms_sorted:
             return None
-        counting = max(1, _ceil_div(numel, chunk))
-        if sort:  # blocks past the last chunk only sort: about two segments a block
-            counting = max(counting, min(limits.sm_count - fill, _ceil_div(num_buckets, 2)))
+        counting = max(1, _ceil_div(numel, chunk), min(limits.sm_count - fill, sort_blocks))
         return Launch("cooperative", "cooperative", deterministic, block,
                       grid=counting + fill, chunk=chunk, smem_place=smem, sorted=sort,
                       fill_grid=fill)
     fill = min(limits.sm_count, _ceil_div(out_entries, policy.fill_per_block))
-    sort_blocks = min(limits.sm_count, _ceil_div(num_buckets, 2)) if sort else 1
-    counting = max(1, _ceil_div(numel, chunk), sort_blocks)
+    counting = max(1, _ceil_div(numel, chunk), min(limits.sm_count, sort_blocks))
     if block == BLOCK:
         # Blocks past the last chunk only take their share of the sentinel fill (and of the
         # segments to sort: about two a block).
