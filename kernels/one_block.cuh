@@ -1,4 +1,5 @@
-// One-block kernels (decode sizes): align_single / align_pair, align_tiny / align_tiny_pair.
+// One-block kernels (decode sizes): align_single / align_pair, align_tiny / align_tiny_pair,
+// and align_tiny_rows / align_tiny_rows_pair (a block for each LoRA row).
 // Included by align_kernels.cu, after align_common.cuh and the modes, ITEMS_PER_THREAD,
 // dynamic_smem and for_routes that file defines.
 
@@ -230,10 +231,15 @@ __device__ __forceinline__ int* tiny_warp_sums() {
 // ranks from a walk over the bucket's groups (ChunkRanks).
 // ROW_BITS (LoRA calls of at most 32 rows, align_tiny_lora): the processed rows as a RowBits
 // in a register that every warp works out itself, with no barrier for shared flags.
+// SLOT_ROW (BASE, align_tiny_rows): `p` is row `row` of the LoRA call `lora` (its outputs'
+// row, rows = 1), and its routes are those of the tokens of slot `row`. A row that the call
+// does not process is left alone, or (fill_unprocessed) gets the empty alignment.
 template <typename IdT, int PER, bool DET, bool BASE, bool FILLED, bool STAGED = false,
-          bool CHUNKED = false, bool ROW_BITS = false>
-__device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
+          bool CHUNKED = false, bool ROW_BITS = false, bool SLOT_ROW = false>
+__device__ __forceinline__ void align_tiny_buckets(const Problem& p, const Problem* lora = nullptr,
+                                                   int row = 0) {
   static_assert(!(BASE && ROW_BITS), "a base row has no row flags");
+  static_assert(BASE || !SLOT_ROW, "a slot's row is aligned as a base row");
   static_assert(DET || !CHUNKED, "the chunks' ranks are deterministic mode's");
   int* const warp_sums = tiny_warp_sums();
   const int nb = num_buckets(p), tid = threadIdx.x;
@@ -266,6 +272,7 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
   // stamps: one slot of T=16 reached its claims 1266 cycles after one base row).
   RowFlagLoads flag_loads{-1, -1, false};
   if (ROW_BITS) flag_loads = load_row_flags(p);
+  if (SLOT_ROW) flag_loads = load_row_flags(*lora);
   if (CHUNKED) {  // counts from the groups' claims
 #pragma unroll
     for (int q = 0; q < PER; ++q)
@@ -281,6 +288,11 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
   }
   if (BASE || ROW_BITS) __syncthreads();  // the counts zeroed before any claim
   else mark_processed_rows(p, processed);  // and its barrier
+  bool slot_on = false;  // SLOT_ROW: the call processes this row
+  if (SLOT_ROW) {
+    slot_on = row_bits(*lora, flag_loads)[row];
+    if (!slot_on && !p.fill_unprocessed) return;  // the whole block: nothing to write
+  }
   RowBits processed_bits{1u};
   // The totals read the bits, or (deterministic instances) the shared flags they are stored
   // to here: deterministic LoRA was 1 to 4 % slower with the bits (A/B line 21).
@@ -323,7 +335,8 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p) {
 #pragma unroll
   for (int j = 0; j < TINY_ITEMS; ++j) {
     const int i = route_index(j);
-    bucket[j] = BASE || ROW_BITS ? bucket_of(p, route[j], processed_bits)
+    bucket[j] = SLOT_ROW ? (slot_on && route[j].slot == row ? expert_of(p, route[j].id) : -1)
+              : BASE || ROW_BITS ? bucket_of(p, route[j], processed_bits)
                                  : bucket_of(p, route[j], processed);
     if (p.scatter_idx != nullptr && i < p.numel) p.scatter_idx[i] = bucket[j] >= 0 ? i : -1;
     if (!DET) rank[j] = claim(starts, bucket[j]);
@@ -609,6 +622,34 @@ __global__ void __launch_bounds__(1024, 1) align_tiny_chunked(const Problem p) {
   else if (num_buckets(p) > (int)blockDim.x) align_tiny_lora<IdT, TINY_BUCKETS, true, true, true>(p);
   else if (base_problem(p)) align_tiny_buckets<IdT, 1, true, true, true, false, true>(p);
   else align_tiny_lora<IdT, 1, true, true, true>(p);
+}
+
+// LoRA alignment, a block a row (at most 32 rows, a thread a bucket of a row): block r
+// aligns the routes of slot r as a base row of E buckets (align_tiny_buckets' SLOT_ROW).
+// align_tiny aligns every row in one block, all rows' buckets through one scan, and its
+// fill blocks write the rows' fills; here each row's count, scan, fill and stores run on an
+// SM of their own, and no block waits for another. Every block reads every route.
+template <typename IdT, bool DET>
+__device__ __forceinline__ void align_slot_row(const Problem& p, int r) {
+  Problem row = p;
+  row.sorted_ids += (long long)r * p.sorted_pitch;
+  row.expert_ids += (long long)r * p.expert_pitch;
+  row.num_post_pad += r;
+  row.rows = 1;
+  align_tiny_buckets<IdT, 1, DET, true, false, false, false, false, true>(row, &p, r);
+}
+
+template <typename IdT, bool DET>
+__global__ void __launch_bounds__(1024, 1) align_tiny_rows(const Problem p) {
+  align_slot_row<IdT, DET>(p, blockIdx.x);
+}
+
+// Base (block 0, align_tiny's block) and LoRA a block a row (blocks 1..rows) in one launch.
+template <typename IdT, bool DET>
+__global__ void __launch_bounds__(1024, 1) align_tiny_rows_pair(const Problem first,
+                                                                const Problem second) {
+  if (blockIdx.x == 0) align_tiny_block<IdT, DET, false>(first);
+  else align_slot_row<IdT, DET>(second, blockIdx.x - 1);
 }
 
 // Base and LoRA alignment in one launch of two tiny blocks (block 0: `first`).

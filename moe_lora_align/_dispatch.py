@@ -143,6 +143,13 @@ class AlignPolicy:
     # (E=64 K=6 16 slots T=16) they lost, 5.23 against 4.62.
     tiny_chunk_ranks_mid_buckets: int = 1024
     tiny_chunk_ranks_mid_min_routes: int = 512
+    # LoRA calls of 2 to 32 slots over at most tiny_one_bucket_max experts, from the first
+    # figure of routes to the second (at most TINY_ITEMS * BLOCK): a block a slot
+    # (align_tiny_rows), each aligning its slot's routes as a base row of E buckets, ahead
+    # of one block over every slot's buckets and the launches for more routes.
+    tiny_row_blocks: bool = True
+    tiny_row_blocks_min_routes: int = 33
+    tiny_row_blocks_max_routes: int = 4096
     cluster_over_staged_from: int = 4097
     cluster_over_staged_from_deterministic: int = 2304
     cluster_over_staged_entries: int = 16384
@@ -211,6 +218,7 @@ class Launch:
     smem_order: int = 0       # dynamic shared bytes of align_order (the sort's scratch)
     rank_chunks: bool = False  # single, tiny, deterministic: flat-order ranks from the
                                #   chunks' groups (align_tiny_chunked), not per-warp counters
+    row_blocks: bool = False  # single, tiny, LoRA: a block a row (align_tiny_rows; grid = rows)
 
     @property
     def mode(self) -> int:
@@ -396,14 +404,44 @@ def tiny_fill_blocks(numel: int, out_entries: int, rows: int, limits: DeviceLimi
     return max(0, min(limits.sm_count - aligning, _ceil_div(out_entries, policy.fill_per_block)))
 
 
+def tiny_row_blocks(numel: int, num_buckets: int, rows: int, out_entries: int,
+                    deterministic: bool, limits: DeviceLimits,
+                    policy: AlignPolicy = DEFAULT_POLICY):
+    """A LoRA alignment of 2 to 32 rows as a block a row (align_tiny_rows), where the policy
+    takes its routes and its experts fit a thread a bucket; else None. Each block is
+    align_tiny's base block over one row's E buckets and one row's output entries."""
+    if not (policy.tiny_row_blocks and policy.use_tiny and 2 <= rows <= 32
+            and policy.tiny_row_blocks_min_routes <= numel
+            <= min(policy.tiny_row_blocks_max_routes, TINY_ITEMS * BLOCK)):
+        return None
+    experts = num_buckets // rows
+    if experts > policy.tiny_one_bucket_max:
+        return None
+    block = tiny_block_threads(numel, out_entries // rows, experts, policy)
+    if block is None:
+        return None
+    counters = tiny_warp_counter_bytes(numel, block, experts) if deterministic else 0
+    smem = smem_one_block(experts, 1, counters)
+    if smem > limits.dynamic_smem:
+        return None
+    return Launch("shared", "single", deterministic, block, grid=rows, smem_single=smem,
+                  tiny=True, row_blocks=True)
+
+
 def _single_block(numel, num_buckets, rows, deterministic, limits, out_entries=0,
                   use_tiny=True, policy: AlignPolicy = DEFAULT_POLICY, fill_blocks=True,
                   rank_chunks=True, lora=False):
     """``rank_chunks``: a deterministic align_tiny may rank through its chunks' groups (not
     in the fused pair kernels, which keep per-warp counters). ``lora``: a LoRA alignment,
-    whose one row align_tiny_staged does not stage (it stages base rows only)."""
+    whose one row align_tiny_staged does not stage (it stages base rows only); with
+    ``fill_blocks`` (not in the fused pair kernels) its rows may take a block each."""
     if numel > SINGLE_BLOCK_MAX_ROUTES:
         return None
+    if lora and use_tiny and fill_blocks:
+        rows_launch = tiny_row_blocks(numel, num_buckets, rows, out_entries, deterministic,
+                                      limits, policy)
+        if rows_launch is not None:
+            return rows_launch
     base = smem_one_block(num_buckets, rows)
     block = single_block_threads(numel, out_entries, num_buckets, policy)
     fill = tiny_fill_blocks(numel, out_entries, rows, limits, policy) if fill_blocks else 0
@@ -664,6 +702,8 @@ def choose_launch(numel: int, num_buckets: int, rows: int, limits: DeviceLimits,
     if variant in (None, "shared"):
         single = _single_block(numel, num_buckets, rows, deterministic, limits, out_entries,
                                policy=policy, lora=lora)
+    if single is not None and single.row_blocks:
+        return single  # the policy's range of routes for a block a row
     staged = (single is not None and single.stage_output
               and numel < (policy.cluster_over_staged_from_deterministic if deterministic
                            else policy.cluster_over_staged_from)
@@ -875,11 +915,24 @@ def choose_pair(numel: int, base_buckets: int, lora_buckets: int, rows: int,
         return (prefer_cooperative and not deterministic and limits.cooperative
                 and coop_over_single(out_entries, filled, policy))
 
-    if cooperative_wins(fill > 0):
-        return None
     base = _single_block(numel, base_buckets, 1, deterministic, limits,
                          out_entries // max(rows, 1), policy=policy, fill_blocks=False,
                          rank_chunks=False)
+    rows_side = tiny_row_blocks(numel, lora_buckets, rows, out_entries, deterministic,
+                                limits, policy)
+    if base is not None and base.tiny and rows_side is not None:
+        # base in block 0, then a block a LoRA row (the policy's range of routes)
+        block = max(base.block, rows_side.block)
+        experts = lora_buckets // rows
+        counters = (lambda nb: tiny_warp_counter_bytes(numel, block, nb) if deterministic
+                    else 0)
+        smem = max(smem_one_block(base_buckets, 1, counters(base_buckets)),
+                   smem_one_block(experts, 1, counters(experts)))
+        if smem <= limits.dynamic_smem:
+            return Launch("shared", "single", deterministic, block, grid=1 + rows,
+                          smem_single=smem, tiny=True, row_blocks=True)
+    if cooperative_wins(fill > 0):
+        return None
     lora = _single_block(numel, lora_buckets, rows, deterministic, limits,
                          0 if fill else out_entries, policy=policy, fill_blocks=False,
                          rank_chunks=False)
@@ -939,7 +992,9 @@ def launch_kernels(launch, fused: bool = False) -> list:
     if launch.kind == "single":
         name = ("tiny" if launch.tiny else "single") if not fused else (
             "tiny_pair" if launch.tiny else "pair")
-        if launch.tiny and launch.rank_chunks and not fused:
+        if launch.row_blocks:
+            name = "tiny_rows_pair" if fused else "tiny_rows"  # a block a LoRA row
+        elif launch.tiny and launch.rank_chunks and not fused:
             name += "_chunked"  # deterministic ranks from the chunks' groups; may have fill blocks
         elif launch.tiny and launch.fill_grid:
             name += "_filled"  # a kernel apart; align_tiny and align_tiny_pair have none
@@ -972,6 +1027,15 @@ def _layout_bytes(kind: str, launch, numel: int, sides) -> int:
         return max(smem_cooperative(nb, r, side.chunk, side.deterministic, numel, side.sorted,
                                     side.block)
                    for (nb, r), side in zip(sides, (launch.base, launch.lora)))
+    if kind in ("tiny_rows", "tiny_rows_pair"):  # a LoRA row's buckets in each of its blocks
+        nb, rows = sides[-1]
+        experts = nb // max(rows, 1)
+        rows_side = smem_one_block(experts, 1, _one_block_counters(launch, numel, experts))
+        if len(sides) == 1:
+            return rows_side
+        base_nb = sides[0][0]
+        return max(rows_side, smem_one_block(base_nb, 1,
+                                             _one_block_counters(launch, numel, base_nb)))
     if launch.kind == "single":
         return max(smem_one_block(nb, r, _one_block_counters(launch, numel, nb))
                    for nb, r in sides)
@@ -991,7 +1055,8 @@ def _layout_bytes(kind: str, launch, numel: int, sides) -> int:
 # Kernel keys of align_tiny and its pair (``_kernels.kernel_names``); the ``_filled`` ones
 # are the instances whose launches have fill blocks.
 TINY_KERNELS = ("tiny", "tiny_pair", "tiny_filled", "tiny_pair_filled", "tiny_staged",
-                "tiny_chunked")
+                "tiny_chunked", "tiny_rows", "tiny_rows_pair")
+ROW_KERNELS = ("tiny_rows", "tiny_rows_pair")  # a block a LoRA row (after the pair's base)
 
 
 def kernel_demands(launch, numel: int, sides) -> list:
@@ -1024,7 +1089,15 @@ def check_launch(launch, numel: int, sides, limits: DeviceLimits) -> None:
         elif kernel in ("single", "pair") and launch.fill_grid:
             why = (f"{launch.fill_grid} fill blocks (only align_tiny_filled, its pair and "
                    "align_cooperative have them)")
-        elif kernel in TINY_KERNELS and grid != len(sides) + launch.fill_grid:
+        elif kernel in ROW_KERNELS and (launch.fill_grid or not 1 <= sides[-1][1] <= 32
+                                        or grid != len(sides) - 1 + sides[-1][1]):
+            why = (f"a grid of {grid} blocks for {sides[-1][1]} LoRA rows (a block a row "
+                   "after the pair's base block, at most 32 rows, no fill blocks)")
+        elif kernel in ROW_KERNELS and sides[-1][0] // sides[-1][1] > block:
+            why = (f"{sides[-1][0] // sides[-1][1]} experts, more than its {block} threads "
+                   "(a thread a bucket of a row)")
+        elif kernel in TINY_KERNELS and kernel not in ROW_KERNELS and \
+                grid != len(sides) + launch.fill_grid:
             why = (f"a grid of {grid} blocks, not {len(sides)} and {launch.fill_grid} fill "
                    "blocks")
         elif kernel in TINY_KERNELS and launch.fill_grid and grid > limits.sm_count:

@@ -116,6 +116,8 @@ def kernel_names(dtype) -> dict:
         names[("tiny_filled", det)] = f"align_tiny_filled<{t}, {d}>"
         names[("tiny_pair_filled", det)] = f"align_tiny_pair_filled<{t}, {d}>"
         names[("tiny_staged", det)] = f"align_tiny_staged<{t}, {d}>"
+        names[("tiny_rows", det)] = f"align_tiny_rows<{t}, {d}>"
+        names[("tiny_rows_pair", det)] = f"align_tiny_rows_pair<{t}, {d}>"
         names[("cluster", det)] = f"align_cluster<{t}, {d}>"
         names[("cluster_pair", det)] = f"align_cluster_pair<{t}, {d}>"
     for mode in (0, 1, 2):  # MODE_*; COOP_FREE, COOP_ORDERED, COOP_SORTED

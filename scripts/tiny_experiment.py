@@ -58,6 +58,7 @@ CASES = [  # op, T, E, K, B, L
     ("lora", 16, 64, 6, 16, 16), ("lora", 16, 128, 4, 16, 4),
     ("lora", 256, 64, 6, 16, 16), ("lora", 256, 256, 8, 16, 4),
     ("lora", 1, 256, 8, 16, 16), ("lora", 16, 256, 8, 16, 16), ("lora", 64, 256, 8, 16, 16),
+    ("lora", 16, 256, 8, 16, 4),
     ("lora", 128, 256, 8, 16, 16),
     # deterministic align_tiny's chunks' groups (tiny_chunk_ranks_from) over 1024 and 2048 buckets
     ("lora", 64, 256, 8, 16, 4), ("lora", 16, 256, 8, 16, 8), ("lora", 256, 256, 8, 16, 8),

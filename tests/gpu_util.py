@@ -52,7 +52,7 @@ TINY_RANKS = {
                                 tiny_fill_blocks_one_row_from=0 if fill else 1 << 62,
                                 coop_over_single_entries=1 << 30,
                                 coop_over_filled_single_entries=1 << 30,
-                                cluster_min_routes=1 << 30)
+                                cluster_min_routes=1 << 30, tiny_row_blocks=False)
           for fill in (True, False)}
     for how in ("chunk_groups", "warp_counters")}
 

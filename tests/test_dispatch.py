@@ -175,6 +175,7 @@ def test_deterministic_calls_sort_after_the_fast_kernels():
 
 
 NO_FILL_BLOCKS = d.AlignPolicy(coop_fill_blocks_from=1 << 62)
+NO_ROWS = d.AlignPolicy(tiny_row_blocks=False)  # LoRA never a block a row (align_tiny_rows)
 ALL_FILL_BLOCKS = d.AlignPolicy(coop_fill_blocks_below=1 << 62, coop_fill_sms_from=1 << 62)
 FILL_SMS = d.AlignPolicy(coop_fill_sms_from=0, coop_fill_sms_min_entries_per_route=0)
 SPLIT_ONLY = d.AlignPolicy(coop_fill_sms_from=1 << 62)  # the split's own bounds, as before r47
@@ -388,7 +389,7 @@ def test_single_block_deterministic_uses_fewer_warps_for_many_buckets():
 
 
 def test_pair_fuses_decode_and_declines_prefill():
-    pair = d.choose_pair(2048, 256, 16 * 256, 16, H200)
+    pair = d.choose_pair(2048, 256, 16 * 256, 16, H200, policy=NO_ROWS)
     assert pair is not None and pair.grid == 2 and pair.smem_single <= H200.smem_optin
     assert d.choose_pair(65536, 256, 16 * 256, 16, H200) is None
     assert d.choose_pair(2048, 256, 65536, 16, H200) is None
@@ -472,7 +473,7 @@ def test_deterministic_decode_runs_tiny_where_its_counters_fit():
     assert pair.smem_single == (4 * 257 + d.row_region_bytes(4)
                                 + d.tiny_warp_counter_bytes(8, 256, 256))
     # A side whose counters do not fit: both sides on align_single, warps for the smaller.
-    pair = d.choose_pair(2048, 64, 16 * 256, 16, NO_COOP, deterministic=True)
+    pair = d.choose_pair(2048, 64, 16 * 256, 16, NO_COOP, deterministic=True, policy=NO_ROWS)
     assert not pair.tiny and pair.deterministic
 
 
@@ -645,9 +646,10 @@ def test_decode_with_a_large_fill_prefers_the_cooperative_launch():
                                policy=policy).kind == "single"
     # The pair likewise: the tiny pair with fill blocks, else the cooperative pair
     pair = d.choose_pair(2048, 256, 16 * 256, 16, H200, out_entries=entries,
-                         prefer_cooperative=True)
+                         prefer_cooperative=True, policy=NO_ROWS)
     assert pair.tiny and pair.fill_grid
-    for out, policy in ((entries, no_tiny_fill), (most + 1, d.DEFAULT_POLICY)):
+    for out, policy in ((entries, dataclasses.replace(no_tiny_fill, tiny_row_blocks=False)),
+                        (most + 1, NO_ROWS)):
         assert d.choose_pair(2048, 256, 16 * 256, 16, H200, out_entries=out, policy=policy,
                              prefer_cooperative=True) is None
         assert d.choose_pair(2048, 256, 16 * 256, 16, H200, out_entries=out,
@@ -755,13 +757,13 @@ def test_tiny_fill_blocks():
                            policy=d.AlignPolicy(coop_over_single_entries=10**9,
                                                 coop_over_filled_single_entries=10**9))
     assert most.tiny and most.grid == H200.sm_count
-    pair = d.choose_pair(128, 256, 16 * 256, 16, H200, out_entries=entries)
+    pair = d.choose_pair(128, 256, 16 * 256, 16, H200, out_entries=entries, policy=NO_ROWS)
     assert pair.tiny and pair.fill_grid == launch.fill_grid and pair.grid == 2 + pair.fill_grid
     sides = [(256, 1), (16 * 256, 16)]
     d.check_launch(pair, 128, sides, H200)
-    small = d.choose_pair(128, 256, 16 * 64, 16, H200, out_entries=32767, policy=cut)
+    small = d.choose_pair(128, 256, 16 * 64, 16, H200, out_entries=32767,
+                          policy=dataclasses.replace(cut, tiny_row_blocks=False))
     assert small.tiny and small.grid == 2 and not small.fill_grid
-    import dataclasses
     with pytest.raises(d.LaunchRefused, match="not 1 and"):
         d.check_launch(dataclasses.replace(launch, grid=1), 128, [(16 * 256, 16)], H200)
     with pytest.raises(d.LaunchRefused, match="not 2 and"):

@@ -56,8 +56,9 @@ class Case:
     """One call's inputs, its NumPy answer, and poisoned guarded buffers for the kernels."""
 
     def __init__(self, T, K, E, B, *, rows=None, kind="uniform", dtype=np.int32, seed=0,
-                 disabled=1, with_ids=True, map_mode=None, scatter=False):
+                 disabled=1, with_ids=True, map_mode=None, scatter=False, allocate=False):
         rng = np.random.default_rng(seed)
+        self.allocate = allocate  # rows not processed get the empty alignment (allocated outputs)
         self.E, self.B, self.rows = E, B, rows
         self.ids = make_routing(rng, T, K, E, dtype, kind)
         self.lora = rows is not None
@@ -94,7 +95,8 @@ class Case:
             return _call.prepare(self.ids, self.B, self.E, rows=self.rows, lora=True,
                                  token_lora_mapping=self.mapping, lora_ids=self.lora_ids,
                                  adapter_enabled=self.enabled, expert_map=self.expert_map,
-                                 map_mode=map_mode, deterministic=det, out=outs)
+                                 map_mode=map_mode, deterministic=det, out=outs,
+                                 fill_unprocessed=self.allocate)
         return _call.prepare(self.ids, self.B, self.E, rows=1, expert_map=self.expert_map,
                              map_mode=map_mode, scatter=self.scatter, deterministic=det,
                              out=outs)
@@ -517,7 +519,7 @@ def test_racecheck_names_a_missing_barrier(tmp_path):
 
 # align_tiny_chunked (deterministic ranks by the chunks' groups) wherever align_tiny runs.
 CHUNKED_TINY_RANKS = AlignPolicy(tiny_chunk_ranks_from=0, tiny_chunk_ranks_min_routes=0,
-                                 tiny_chunk_ranks_max_routes=1 << 62)
+                                 tiny_chunk_ranks_max_routes=1 << 62, tiny_row_blocks=False)
 
 # Tokens of K=8 routes from which the default policy runs the cluster (its pair included).
 CLUSTER_T = -(-_dispatch.DEFAULT_POLICY.cluster_min_routes // 8)
@@ -536,7 +538,8 @@ def _every_kernel(emu):
                                         (1024, 64, None, "shared", SORTED),
                                         (40, 64, 4, None, TINY_FILL["tiny_fill_blocks"]),
                                         (40, 64, 4, None, TINY_FILL["no_tiny_fill_blocks"]),
-                                        (40, 64, 4, None, CHUNKED_TINY_RANKS)]:
+                                        (40, 64, 4, None, CHUNKED_TINY_RANKS),
+                                        (40, 64, 4, None, _dispatch.DEFAULT_POLICY)]:
         for det in (False, True):
             if not _refused(variant, det, T * 8, E, 1, policy):
                 _run(emu, Case(T, 8, E, 16, rows=rows, seed=T), det, variant, policy,
@@ -625,11 +628,13 @@ BIG_SINGLE = 1 << 30
 TINY_FILL = {"tiny_fill_blocks": AlignPolicy(tiny_fill_blocks_from=0,
                                              tiny_fill_blocks_one_row_from=0,
                                              coop_over_single_entries=BIG_SINGLE,
-                                             coop_over_filled_single_entries=BIG_SINGLE),
+                                             coop_over_filled_single_entries=BIG_SINGLE,
+                                             tiny_row_blocks=False),
              "no_tiny_fill_blocks": AlignPolicy(tiny_fill_blocks_from=1 << 62,
                                                 tiny_fill_blocks_one_row_from=1 << 62,
                                                 coop_over_single_entries=BIG_SINGLE,
-                                                coop_over_filled_single_entries=BIG_SINGLE)}
+                                                coop_over_filled_single_entries=BIG_SINGLE,
+                                                tiny_row_blocks=False)}
 
 
 def _tiny_fill_launch(numel, buckets, rows, det, how):
@@ -693,7 +698,7 @@ def test_fused_tiny_pair_with_and_without_fill_blocks(emu, T, E, B, L, fill, det
     policy = AlignPolicy(tiny_fill_blocks_from=0 if fill else 1 << 62,
                          tiny_fill_blocks_one_row_from=0 if fill else 1 << 62,
                          coop_over_single_entries=BIG_SINGLE,
-                         coop_over_filled_single_entries=BIG_SINGLE)
+                         coop_over_filled_single_entries=BIG_SINGLE, tiny_row_blocks=False)
     base = Case(T, 8, E, B, seed=T)
     lora = Case(T, 8, E, B, rows=L, seed=T, disabled=2)
     lora.ids[:] = base.ids
@@ -703,6 +708,68 @@ def test_fused_tiny_pair_with_and_without_fill_blocks(emu, T, E, B, L, fill, det
         mode, pair = emulator.run_pair(emu, base.job(det), lora.job(det), streams="fused",
                                        policy=policy, seed=seed)
         assert pair.tiny and bool(pair.fill_grid) == fill
+        base.check(det)
+        lora.check(det)
+
+
+# ---- LoRA a block a row (align_tiny_rows, align_tiny_rows_pair) ----------------------------
+ROW_BLOCKS = AlignPolicy(tiny_row_blocks=True, tiny_row_blocks_min_routes=1,
+                         tiny_row_blocks_max_routes=1 << 30)
+
+
+def _row_launch(numel, E, rows, det, policy=ROW_BLOCKS):
+    P, M = buffer_sizes(numel, E, 16)
+    return _dispatch.choose_launch(numel, rows * E, rows, emulator.LIMITS, deterministic=det,
+                                   out_entries=rows * (P + M), policy=policy, lora=True)
+
+
+@pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
+@pytest.mark.parametrize("T,K,E,rows,kind", [
+    (1, 1, 64, 2, "uniform"), (4, 8, 64, 4, "uniform"), (5, 8, 256, 16, "skewed"),
+    (16, 8, 256, 16, "uniform"), (16, 8, 256, 32, "hot"), (33, 1, 1024, 2, "invalid"),
+    (100, 6, 64, 16, "skewed"), (255, 8, 256, 16, "uniform"), (512, 8, 256, 16, "hot"),
+    (512, 8, 7, 3, "duplicates"), (3, 8, 1000, 5, "uniform")])
+def test_lora_row_blocks(emu, T, K, E, rows, kind, det):
+    """A block a LoRA row: listed, unlisted, disabled and -1 tokens, an expert map, and rows
+    not processed left alone or (allocated outputs) given the empty alignment."""
+    launch = _row_launch(T * K, E, rows, det)
+    assert launch.row_blocks and launch.grid == rows and not launch.fill_grid
+    for salt in range(4):
+        _run(emu, Case(T, K, E, 16, rows=rows, seed=150 + salt, kind=kind, with_ids=salt != 2,
+                       disabled=salt, map_mode="before" if salt == 2 else None,
+                       allocate=salt == 3), det, None, ROW_BLOCKS, seeds=(salt,))
+
+
+@pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
+def test_lora_row_blocks_limits(emu, det):
+    """Both sides of each bound of a block a row: its routes, its rows (2 to 32) and a thread
+    a bucket of a row (tiny_one_bucket_max); past them the other launches run as before."""
+    pol = AlignPolicy(tiny_row_blocks_min_routes=33, tiny_row_blocks_max_routes=1024)
+    for numel, E, rows, want in [(32, 64, 4, False), (33, 64, 4, True), (1024, 64, 4, True),
+                                 (1025, 64, 4, False), (64, 64, 1, False), (64, 64, 2, True),
+                                 (64, 8, 32, True), (64, 8, 33, False),
+                                 (64, 1024, 2, True), (64, 1025, 2, False)]:
+        assert _row_launch(numel, E, rows, det, pol).row_blocks == want, (numel, E, rows)
+        _run(emu, Case(numel, 1, E, 16, rows=rows, seed=numel + rows), det, None, pol,
+             seeds=(0,))
+    assert not _row_launch(64, 64, 4, det, AlignPolicy(tiny_row_blocks=False)).row_blocks
+    assert not _row_launch(64, 64, 4, det, AlignPolicy(use_tiny=False)).row_blocks
+
+
+@pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
+@pytest.mark.parametrize("T,E,B,L", [(16, 256, 16, 16), (5, 64, 16, 2), (64, 128, 16, 4),
+                                     (255, 64, 16, 32), (3, 1024, 64, 3)])
+def test_fused_pair_with_row_blocks(emu, T, E, B, L, det):
+    """Base in block 0 (align_tiny's block, its one warp at few routes) and a block a LoRA
+    row after it, in one launch: both sides as the NumPy backend's."""
+    base = Case(T, 8, E, B, seed=T)
+    lora = Case(T, 8, E, B, rows=L, seed=T, disabled=2)
+    lora.ids[:] = base.ids
+    lora.answer()
+    for seed in (0, 1):
+        mode, pair = emulator.run_pair(emu, base.job(det), lora.job(det), streams="fused",
+                                       policy=ROW_BLOCKS, seed=seed)
+        assert pair.row_blocks and pair.grid == 1 + L
         base.check(det)
         lora.check(det)
 

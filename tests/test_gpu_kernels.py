@@ -393,11 +393,13 @@ BIG_SINGLE = 1 << 30
 TINY_FILL = {"tiny_fill_blocks": mla.AlignPolicy(tiny_fill_blocks_from=0,
                                                  tiny_fill_blocks_one_row_from=0,
                                                  coop_over_single_entries=BIG_SINGLE,
-                                                 coop_over_filled_single_entries=BIG_SINGLE),
+                                                 coop_over_filled_single_entries=BIG_SINGLE,
+                                                 tiny_row_blocks=False),
              "no_tiny_fill_blocks": mla.AlignPolicy(tiny_fill_blocks_from=1 << 62,
                                                     tiny_fill_blocks_one_row_from=1 << 62,
                                                     coop_over_single_entries=BIG_SINGLE,
-                                                    coop_over_filled_single_entries=BIG_SINGLE)}
+                                                    coop_over_filled_single_entries=BIG_SINGLE,
+                                                    tiny_row_blocks=False)}
 
 
 def _tiny_fill_launch(numel, buckets, rows, det, how):
@@ -504,6 +506,31 @@ def test_lora_tiny_with_and_without_fill_blocks(E, T, rows, det, how):
         _lora_case(E, T, None, det, salt=115 + salt, topk=8, max_loras=rows,
                    policy=TINY_FILL[how], allocate=salt == 1, with_ids=salt != 2,
                    disabled=salt, use_map=salt == 2)
+
+
+# LoRA a block a row (align_tiny_rows), asked for at every size it takes: a row of 2 to 32,
+# just past one warp's routes and 4096 routes, a thread a bucket up to 1024 experts; listed,
+# disabled and unprocessed rows (allocated outputs fill them), an expert map, every routing
+# kind over the salts.
+ROW_BLOCKS = mla.AlignPolicy(tiny_row_blocks=True, tiny_row_blocks_min_routes=1,
+                             tiny_row_blocks_max_routes=1 << 30)
+
+
+@pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
+@pytest.mark.parametrize("E,T,K,rows", [(64, 1, 1, 2), (64, 4, 8, 4), (256, 5, 8, 16),
+                                        (256, 16, 8, 16), (128, 16, 4, 4), (64, 16, 6, 16),
+                                        (256, 64, 8, 32), (1024, 33, 1, 2), (256, 255, 8, 16),
+                                        (256, 512, 8, 16), (7, 512, 8, 3), (1000, 3, 8, 5)])
+def test_lora_row_blocks(E, T, K, rows, det):
+    P, M = mla.buffer_sizes(T * K, E, 16)
+    launch = mla._dispatch.choose_launch(T * K, rows * E, rows, mla._launch.device_limits(0),
+                                         deterministic=det, out_entries=rows * (P + M),
+                                         policy=ROW_BLOCKS, lora=True)
+    assert launch.row_blocks and launch.grid == rows
+    for salt in range(5):
+        _lora_case(E, T, None, det, salt=160 + salt, topk=K, max_loras=rows, block_size=16,
+                   policy=ROW_BLOCKS, allocate=salt == 1, with_ids=salt != 2,
+                   disabled=salt % 3, use_map=salt == 2)
 
 
 # Deterministic align_tiny's two ways to flat-order ranks (gpu_util.TINY_RANKS): a thread a
