@@ -211,25 +211,17 @@ __device__ __forceinline__ Route load_route(const Problem& p, int i, int end) {
   return r;
 }
 
-// The (local) expert of a route id, or -1 when the route is dropped (invalid id, non-local
-// expert).
-__device__ __forceinline__ int expert_of(const Problem& p, long long id) {
-  if (id < 0 || id >= p.num_experts) return -1;
-  int e = (int)id;
-  if (p.map_mode == 1) {
-    e = p.expert_map[e];
-    if (e < 0 || e >= p.num_experts) return -1;
-  }
-  return e;
-}
-
 // Bucket of a route, or -1 when it is dropped (invalid id, non-local expert, base-model
 // token, slot not processed). Never reads outside the arrays whatever their values.
 // `processed[slot]`: the row flags in shared memory, or a RowBits.
 template <typename Rows>
 __device__ __forceinline__ int bucket_of(const Problem& p, Route r, const Rows& processed) {
-  const int e = expert_of(p, r.id);
-  if (e < 0) return -1;
+  if (r.id < 0 || r.id >= p.num_experts) return -1;
+  int e = (int)r.id;
+  if (p.map_mode == 1) {
+    e = p.expert_map[e];
+    if (e < 0 || e >= p.num_experts) return -1;
+  }
   if (p.token_slot != nullptr) {
     if (r.slot < 0 || r.slot >= p.rows || !processed[r.slot]) return -1;
     return r.slot * p.num_experts + e;

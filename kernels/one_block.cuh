@@ -335,7 +335,9 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p, const Probl
 #pragma unroll
   for (int j = 0; j < TINY_ITEMS; ++j) {
     const int i = route_index(j);
-    bucket[j] = SLOT_ROW ? (slot_on && route[j].slot == row ? expert_of(p, route[j].id) : -1)
+    // SLOT_ROW: a route of this row's slot as slot 0 of the one-row problem
+    bucket[j] = SLOT_ROW ? (slot_on && route[j].slot == row
+                                ? bucket_of(p, Route{route[j].id, 0}, RowBits{1u}) : -1)
               : BASE || ROW_BITS ? bucket_of(p, route[j], processed_bits)
                                  : bucket_of(p, route[j], processed);
     if (p.scatter_idx != nullptr && i < p.numel) p.scatter_idx[i] = bucket[j] >= 0 ? i : -1;
