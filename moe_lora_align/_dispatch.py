@@ -146,8 +146,9 @@ class AlignPolicy:
     # LoRA calls of 2 to 32 slots over at most tiny_one_bucket_max experts, from the first
     # figure of routes to the second (at most TINY_ITEMS * BLOCK): a block a slot
     # (align_tiny_rows), each aligning its slot's routes as a base row of E buckets, ahead
-    # of one block over every slot's buckets and the launches for more routes.
-    tiny_row_blocks: bool = True
+    # of one block over every slot's buckets and the launches for more routes. Off until
+    # measured on a GPU (A/B lines 34 to 38).
+    tiny_row_blocks: bool = False
     tiny_row_blocks_min_routes: int = 33
     tiny_row_blocks_max_routes: int = 4096
     cluster_over_staged_from: int = 4097

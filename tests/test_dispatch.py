@@ -1100,3 +1100,71 @@ def test_tiny_chunked_refuses_past_its_block_or_in_free_order():
     free = dataclasses.replace(launch, deterministic=False)
     with pytest.raises(d.LaunchRefused, match="free-order"):
         d.check_launch(free, 4096, [(4096, 16)], NO_COOP)
+
+
+# ---- LoRA a block a row (align_tiny_rows, align_tiny_rows_pair) ----------------------------
+ROWS = d.AlignPolicy(tiny_row_blocks=True)
+
+
+def test_row_blocks_take_lora_calls_of_their_range():
+    """A block a row for LoRA calls of 2 to 32 rows and tiny_row_blocks_min_routes to
+    _max_routes routes, a thread a bucket of a row (tiny_one_bucket_max experts), each block
+    sized as align_tiny's base block of one row; never for base calls or without the policy."""
+    lo, hi = ROWS.tiny_row_blocks_min_routes, ROWS.tiny_row_blocks_max_routes
+    P, M = 128 + 256 * 15, 248
+    launch = d.choose_launch(128, 16 * 256, 16, H200, out_entries=16 * (P + M), policy=ROWS,
+                             lora=True)
+    assert launch.row_blocks and launch.grid == 16 and not launch.fill_grid
+    assert launch.block == d.tiny_block_threads(128, P + M, 256, ROWS)
+    assert launch.smem_single == d.smem_one_block(256, 1)
+    assert d.launch_kernels(launch) == [(("tiny_rows", False), 16, launch.block,
+                                         launch.smem_single, False)]
+    det = d.choose_launch(128, 16 * 256, 16, H200, out_entries=16 * (P + M), policy=ROWS,
+                          lora=True, deterministic=True)
+    assert det.row_blocks and det.deterministic
+    assert det.smem_single == d.smem_one_block(256, 1, d.tiny_warp_counter_bytes(128, det.block,
+                                                                                 256))
+    for numel, nb, rows, lora, policy, want in [
+            (lo, 4 * 64, 4, True, ROWS, True), (lo - 1, 4 * 64, 4, True, ROWS, False),
+            (hi, 4 * 64, 4, True, ROWS, True), (hi + 1, 4 * 64, 4, True, ROWS, False),
+            (128, 2 * 64, 2, True, ROWS, True), (128, 64, 1, True, ROWS, False),
+            (128, 32 * 8, 32, True, ROWS, True), (128, 33 * 8, 33, True, ROWS, False),
+            (128, 2 * 1024, 2, True, ROWS, True), (128, 2 * 1025, 2, True, ROWS, False),
+            (128, 4 * 64, 4, False, ROWS, False),
+            (128, 4 * 64, 4, True, d.AlignPolicy(), False),
+            (128, 4 * 64, 4, True, dataclasses.replace(ROWS, use_tiny=False), False)]:
+        launch = d.choose_launch(numel, nb, rows, H200, out_entries=rows * 4000, policy=policy,
+                                 lora=lora)
+        assert launch.row_blocks == want, (numel, nb, rows, lora)
+        d.check_launch(launch, numel, [(nb, rows)], H200)
+    # ahead of the cluster and of the cooperative launch in its range of routes
+    assert d.choose_launch(4096, 2 * 256, 2, H200, out_entries=10**6, policy=ROWS,
+                           lora=True).row_blocks
+
+
+def test_row_blocks_pair_and_its_guard():
+    """Base in block 0, then a block a LoRA row: the larger block and shared memory of the
+    two sides; the guard refuses a grid that is not 1 + rows (or rows alone), more than 32
+    rows, fill blocks, and more experts than threads."""
+    pair = d.choose_pair(128, 256, 16 * 256, 16, H200, out_entries=16 * 4216, policy=ROWS,
+                         prefer_cooperative=True)
+    assert pair.row_blocks and pair.grid == 17 and not pair.fill_grid
+    sides = [(256, 1), (16 * 256, 16)]
+    assert d.launch_kernels(pair, fused=True)[0][0] == ("tiny_rows_pair", False)
+    d.check_launch(pair, 128, sides, H200)
+    det = d.choose_pair(2048, 64, 16 * 256, 16, NO_COOP, deterministic=True, policy=ROWS)
+    assert det.row_blocks and det.smem_single == max(
+        d.smem_one_block(nb, 1, d.tiny_warp_counter_bytes(2048, det.block, nb))
+        for nb in (64, 256))
+    d.check_launch(det, 2048, [(64, 1), (16 * 256, 16)], NO_COOP)
+    assert not d.choose_pair(128, 256, 16 * 256, 16, H200, policy=NO_ROWS).row_blocks
+    assert not d.choose_pair(128, 256, 33 * 256, 33, H200, policy=ROWS).row_blocks
+    lone = d.choose_launch(128, 16 * 256, 16, H200, policy=ROWS, lora=True)
+    for bad, numel, sides_, match in [
+            (dataclasses.replace(pair, grid=16), 128, sides, "a grid of 16 blocks"),
+            (dataclasses.replace(lone, grid=17), 128, [(16 * 256, 16)], "a grid of 17"),
+            (dataclasses.replace(lone, grid=33), 128, [(33 * 256, 33)], "at most 32 rows"),
+            (dataclasses.replace(lone, fill_grid=2), 128, [(16 * 256, 16)], "no fill blocks"),
+            (dataclasses.replace(lone, block=128), 128, [(16 * 256, 16)], "256 experts")]:
+        with pytest.raises(d.LaunchRefused, match=match):
+            d.check_launch(bad, numel, sides_, H200)

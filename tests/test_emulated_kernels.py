@@ -521,6 +521,10 @@ def test_racecheck_names_a_missing_barrier(tmp_path):
 CHUNKED_TINY_RANKS = AlignPolicy(tiny_chunk_ranks_from=0, tiny_chunk_ranks_min_routes=0,
                                  tiny_chunk_ranks_max_routes=1 << 62, tiny_row_blocks=False)
 
+# LoRA a block a row (align_tiny_rows, align_tiny_rows_pair) at every size it takes.
+ROW_BLOCKS = AlignPolicy(tiny_row_blocks=True, tiny_row_blocks_min_routes=1,
+                         tiny_row_blocks_max_routes=1 << 30)
+
 # Tokens of K=8 routes from which the default policy runs the cluster (its pair included).
 CLUSTER_T = -(-_dispatch.DEFAULT_POLICY.cluster_min_routes // 8)
 
@@ -539,7 +543,7 @@ def _every_kernel(emu):
                                         (40, 64, 4, None, TINY_FILL["tiny_fill_blocks"]),
                                         (40, 64, 4, None, TINY_FILL["no_tiny_fill_blocks"]),
                                         (40, 64, 4, None, CHUNKED_TINY_RANKS),
-                                        (40, 64, 4, None, _dispatch.DEFAULT_POLICY)]:
+                                        (40, 64, 4, None, ROW_BLOCKS)]:
         for det in (False, True):
             if not _refused(variant, det, T * 8, E, 1, policy):
                 _run(emu, Case(T, 8, E, 16, rows=rows, seed=T), det, variant, policy,
@@ -549,7 +553,8 @@ def _every_kernel(emu):
                                (2048, 64, 4, _dispatch.DEFAULT_POLICY),
                                (2048, 256, 16, _dispatch.DEFAULT_POLICY),
                                (40, 64, 4, TINY_FILL["tiny_fill_blocks"]),
-                               (40, 64, 4, TINY_FILL["no_tiny_fill_blocks"])]:
+                               (40, 64, 4, TINY_FILL["no_tiny_fill_blocks"]),
+                               (40, 64, 4, ROW_BLOCKS)]:
         for det in (False, True):
             base, lora = Case(T, 8, E, 64, seed=T), Case(T, 8, E, 64, rows=rows, seed=T)
             lora.ids[:] = base.ids
@@ -713,8 +718,6 @@ def test_fused_tiny_pair_with_and_without_fill_blocks(emu, T, E, B, L, fill, det
 
 
 # ---- LoRA a block a row (align_tiny_rows, align_tiny_rows_pair) ----------------------------
-ROW_BLOCKS = AlignPolicy(tiny_row_blocks=True, tiny_row_blocks_min_routes=1,
-                         tiny_row_blocks_max_routes=1 << 30)
 
 
 def _row_launch(numel, E, rows, det, policy=ROW_BLOCKS):
@@ -744,7 +747,8 @@ def test_lora_row_blocks(emu, T, K, E, rows, kind, det):
 def test_lora_row_blocks_limits(emu, det):
     """Both sides of each bound of a block a row: its routes, its rows (2 to 32) and a thread
     a bucket of a row (tiny_one_bucket_max); past them the other launches run as before."""
-    pol = AlignPolicy(tiny_row_blocks_min_routes=33, tiny_row_blocks_max_routes=1024)
+    pol = AlignPolicy(tiny_row_blocks=True, tiny_row_blocks_min_routes=33,
+                      tiny_row_blocks_max_routes=1024)
     for numel, E, rows, want in [(32, 64, 4, False), (33, 64, 4, True), (1024, 64, 4, True),
                                  (1025, 64, 4, False), (64, 64, 1, False), (64, 64, 2, True),
                                  (64, 8, 32, True), (64, 8, 33, False),
@@ -753,7 +757,8 @@ def test_lora_row_blocks_limits(emu, det):
         _run(emu, Case(numel, 1, E, 16, rows=rows, seed=numel + rows), det, None, pol,
              seeds=(0,))
     assert not _row_launch(64, 64, 4, det, AlignPolicy(tiny_row_blocks=False)).row_blocks
-    assert not _row_launch(64, 64, 4, det, AlignPolicy(use_tiny=False)).row_blocks
+    assert not _row_launch(64, 64, 4, det, AlignPolicy(tiny_row_blocks=True,
+                                                       use_tiny=False)).row_blocks
 
 
 @pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
