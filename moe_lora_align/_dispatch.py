@@ -146,10 +146,12 @@ class AlignPolicy:
     # LoRA calls of 2 to 32 slots over at most tiny_one_bucket_max experts, from the first
     # figure of routes to the second (at most TINY_ITEMS * BLOCK): a block a slot
     # (align_tiny_rows), each aligning its slot's routes as a base row of E buckets, ahead
-    # of one block over every slot's buckets and the launches for more routes. Off until
-    # measured on a GPU (A/B lines 34 to 38).
-    tiny_row_blocks: bool = False
-    tiny_row_blocks_min_routes: int = 33
+    # of one block over every slot's buckets and the launches for more routes. r55 (H100,
+    # A/B lines 34 and 38): LoRA E=256 16 slots T=16 2.70 against 4.65 us, T=256 4.10
+    # against 7.40, T=512 4.61 against 10.18; T=1 2.54 against 3.48; deterministic T=16
+    # 3.10 against 6.06 (docs/tuning.md has the rows).
+    tiny_row_blocks: bool = True
+    tiny_row_blocks_min_routes: int = 1
     tiny_row_blocks_max_routes: int = 4096
     cluster_over_staged_from: int = 4097
     cluster_over_staged_from_deterministic: int = 2304

@@ -439,11 +439,14 @@ def test_tiny_threshold_of_one_bucket_a_thread():
 
 
 def test_tiny_pairs_need_both_sides():
-    pair = d.choose_pair(8, 64, 4 * 64, 4, H200)
+    pair = d.choose_pair(8, 64, 4 * 64, 4, H200, policy=NO_ROWS)
     assert pair.tiny and pair.block == 256 and pair.grid == 2 and not pair.deterministic
-    pair = d.choose_pair(8, 64, 16 * 256, 16, H200)  # LoRA side: 4 buckets a thread
+    # LoRA side: 4 buckets a thread
+    pair = d.choose_pair(8, 64, 16 * 256, 16, H200, policy=NO_ROWS)
     assert pair.tiny and pair.block == 1024
-    assert not d.choose_pair(8, 64, 16 * 257, 16, H200).tiny
+    assert not d.choose_pair(8, 64, 16 * 257, 16, H200, policy=NO_ROWS).tiny
+    # a block a row needs only a row's buckets a block
+    assert d.choose_pair(8, 64, 16 * 257, 16, H200).row_blocks
 
 
 @pytest.mark.parametrize("numel,block,buckets,nbytes", [
@@ -468,7 +471,7 @@ def test_deterministic_decode_runs_tiny_where_its_counters_fit():
     assert launch.kind == "single" and launch.deterministic and not launch.tiny
     launch = d.choose_launch(2048, 16 * 256, 16, NO_COOP, deterministic=True)
     assert launch.tiny and launch.rank_chunks
-    pair = d.choose_pair(8, 64, 4 * 64, 4, H200, deterministic=True)
+    pair = d.choose_pair(8, 64, 4 * 64, 4, H200, deterministic=True, policy=NO_ROWS)
     assert pair.tiny and pair.deterministic and pair.block == 256
     assert pair.smem_single == (4 * 257 + d.row_region_bytes(4)
                                 + d.tiny_warp_counter_bytes(8, 256, 256))
@@ -1131,7 +1134,7 @@ def test_row_blocks_take_lora_calls_of_their_range():
             (128, 32 * 8, 32, True, ROWS, True), (128, 33 * 8, 33, True, ROWS, False),
             (128, 2 * 1024, 2, True, ROWS, True), (128, 2 * 1025, 2, True, ROWS, False),
             (128, 4 * 64, 4, False, ROWS, False),
-            (128, 4 * 64, 4, True, d.AlignPolicy(), False),
+            (128, 4 * 64, 4, True, NO_ROWS, False),
             (128, 4 * 64, 4, True, dataclasses.replace(ROWS, use_tiny=False), False)]:
         launch = d.choose_launch(numel, nb, rows, H200, out_entries=rows * 4000, policy=policy,
                                  lora=lora)

@@ -351,6 +351,18 @@ def test_one_warp_limit(emu, routes):
         assert launch.tiny
 
 
+@pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
+@pytest.mark.parametrize("T,K,rows", [(1, 8, 4), (4, 8, 32), (4, 7, 2), (16, 2, 16)])
+def test_lora_one_warp_path(emu, T, K, rows, det):
+    """align_warp's LoRA instance, at most WARP_ROUTES routes of at most 32 rows (a block a
+    row off: it takes these sizes by default)."""
+    policy = AlignPolicy(tiny_row_blocks=False)
+    for salt in range(2):
+        launch = _run(emu, Case(T, K, 64, 16, rows=rows, seed=70 + salt, disabled=salt,
+                                with_ids=salt == 0), det, None, policy, seeds=(salt,))
+        assert launch.tiny and launch.grid == 1
+
+
 # Sizes on both sides of every limit where the dispatcher changes its mind or a kernel
 # changes its shape (on the emulated device: 4 SMs): (routes, experts, rows, variant).
 _POL = _dispatch.DEFAULT_POLICY
