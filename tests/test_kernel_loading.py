@@ -186,15 +186,17 @@ def test_every_fused_pair_step_names_a_kernel_of_the_set():
     for numel in (1, 16, 300, 4096, 20000):
         for det in (False, True):
             pairs = [_dispatch.choose_pair(numel, 64, 4 * 64, 4, limits, deterministic=det,
-                                           out_entries=4 * 8192),
-                     _dispatch.choose_cooperative_pair(numel, 64, 4 * 64, 4, limits,
-                                                       base_entries=8192,
-                                                       lora_entries=4 * 8192,
-                                                       deterministic=det),
-                     _dispatch.choose_cluster_pair(numel, 64, 4 * 64, 4, limits,
-                                                   deterministic=det)]
+                                           out_entries=4 * 8192, policy=policy)
+                     for policy in (_dispatch.DEFAULT_POLICY,
+                                    _dispatch.AlignPolicy(tiny_row_blocks=False))]
+            pairs += [_dispatch.choose_cooperative_pair(numel, 64, 4 * 64, 4, limits,
+                                                        base_entries=8192,
+                                                        lora_entries=4 * 8192,
+                                                        deterministic=det),
+                      _dispatch.choose_cluster_pair(numel, 64, 4 * 64, 4, limits,
+                                                    deterministic=det)]
             for pair in filter(None, pairs):
                 (key, *_), = _dispatch.launch_kernels(pair, fused=True)
                 assert key in names, pair
                 kinds.add(key[0])
-    assert kinds >= {"tiny_pair", "cooperative_pair", "cluster_pair"}
+    assert kinds >= {"tiny_pair", "tiny_rows_pair", "cooperative_pair", "cluster_pair"}
