@@ -439,11 +439,13 @@ def test_lora_cluster_cut_over_few_buckets(rows, numel, cluster, det):
     more at cluster_min_routes; K=1, so routes are tokens)."""
     E, B = 256, 16
     P, M = mla.buffer_sizes(numel, E, B)
+    policy = mla.AlignPolicy(tiny_row_blocks=False)  # (2 to 32 slots: a block a row by default)
     launch = mla._dispatch.choose_launch(numel, rows * E, rows, mla._launch.device_limits(0),
                                          deterministic=det, out_entries=rows * (P + M),
-                                         lora=True)
+                                         lora=True, policy=policy)
     assert (launch.kind == "cluster") == cluster, launch
-    _lora_case(E, numel, None, det, salt=140 + rows, max_loras=rows, topk=1, block_size=B)
+    _lora_case(E, numel, None, det, salt=140 + rows, max_loras=rows, topk=1, block_size=B,
+               policy=policy)
 
 
 @pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
