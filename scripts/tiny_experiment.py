@@ -59,6 +59,9 @@ CASES = [  # op, T, E, K, B, L
     ("lora", 256, 64, 6, 16, 16), ("lora", 256, 256, 8, 16, 4),
     ("lora", 1, 256, 8, 16, 16), ("lora", 16, 256, 8, 16, 16), ("lora", 64, 256, 8, 16, 16),
     ("lora", 16, 256, 8, 16, 4),
+    # base + LoRA pairs in the cluster's range over at most 1024 LoRA buckets: the cluster
+    # pair, or ("no cluster") base in block 0 and a block a LoRA row
+    ("pair", 288, 256, 8, 16, 4), ("pair", 512, 256, 8, 16, 4), ("pair", 512, 256, 8, 16, 2),
     ("lora", 128, 256, 8, 16, 16),
     # deterministic align_tiny's chunks' groups (tiny_chunk_ranks_from) over 1024 and 2048 buckets
     ("lora", 64, 256, 8, 16, 4), ("lora", 16, 256, 8, 16, 8), ("lora", 256, 256, 8, 16, 8),
