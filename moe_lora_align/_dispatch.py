@@ -921,33 +921,28 @@ def choose_pair(numel: int, base_buckets: int, lora_buckets: int, rows: int,
     base = _single_block(numel, base_buckets, 1, deterministic, limits,
                          out_entries // max(rows, 1), policy=policy, fill_blocks=False,
                          rank_chunks=False)
-    rows_side = tiny_row_blocks(numel, lora_buckets, rows, out_entries, deterministic,
-                                limits, policy)
-    if base is not None and base.tiny and rows_side is not None:
-        # base in block 0, then a block a LoRA row (the policy's range of routes)
-        block = max(base.block, rows_side.block)
-        experts = lora_buckets // rows
-        counters = (lambda nb: tiny_warp_counter_bytes(numel, block, nb) if deterministic
-                    else 0)
-        smem = max(smem_one_block(base_buckets, 1, counters(base_buckets)),
-                   smem_one_block(experts, 1, counters(experts)))
-        if smem <= limits.dynamic_smem:
-            return Launch("shared", "single", deterministic, block, grid=1 + rows,
-                          smem_single=smem, tiny=True, row_blocks=True)
-    if cooperative_wins(fill > 0):
-        return None
-    lora = _single_block(numel, lora_buckets, rows, deterministic, limits,
-                         0 if fill else out_entries, policy=policy, fill_blocks=False,
-                         rank_chunks=False)
+    # With a tiny base block, the LoRA side may take a block a row (blocks 1..rows).
+    lora = (tiny_row_blocks(numel, lora_buckets, rows, out_entries, deterministic, limits,
+                            policy) if base is not None and base.tiny else None)
+    if lora is None:
+        if cooperative_wins(fill > 0):
+            return None
+        lora = _single_block(numel, lora_buckets, rows, deterministic, limits,
+                             0 if fill else out_entries, policy=policy, fill_blocks=False,
+                             rank_chunks=False)
     if base is None or lora is None:
         return None
     if base.tiny and lora.tiny:
         block = max(base.block, lora.block)
         smem = max(base.smem_single, lora.smem_single)
+        lora_side = (lora_buckets // rows, 1) if lora.row_blocks else (lora_buckets, rows)
         if deterministic:  # the counters follow the block: both sides at the larger one
             smem = max(smem_one_block(nb, r, tiny_warp_counter_bytes(numel, block, nb))
-                       for nb, r in ((base_buckets, 1), (lora_buckets, rows)))
+                       for nb, r in ((base_buckets, 1), lora_side))
         if smem <= limits.dynamic_smem:
+            if lora.row_blocks:
+                return Launch("shared", "single", deterministic, block, grid=1 + rows,
+                              smem_single=smem, tiny=True, row_blocks=True)
             return Launch("shared", "single", deterministic, block, grid=2 + fill,
                           smem_single=smem, tiny=True, fill_grid=fill)
     if fill and cooperative_wins(False):
@@ -1030,16 +1025,10 @@ def _layout_bytes(kind: str, launch, numel: int, sides) -> int:
         return max(smem_cooperative(nb, r, side.chunk, side.deterministic, numel, side.sorted,
                                     side.block)
                    for (nb, r), side in zip(sides, (launch.base, launch.lora)))
-    if kind in ("tiny_rows", "tiny_rows_pair"):  # a LoRA row's buckets in each of its blocks
-        nb, rows = sides[-1]
-        experts = nb // max(rows, 1)
-        rows_side = smem_one_block(experts, 1, _one_block_counters(launch, numel, experts))
-        if len(sides) == 1:
-            return rows_side
-        base_nb = sides[0][0]
-        return max(rows_side, smem_one_block(base_nb, 1,
-                                             _one_block_counters(launch, numel, base_nb)))
     if launch.kind == "single":
+        if launch.row_blocks:  # a LoRA row's buckets in each of its blocks
+            (nb, rows), sides = sides[-1], sides[:-1]
+            sides = [*sides, (nb // max(rows, 1), 1)]
         return max(smem_one_block(nb, r, _one_block_counters(launch, numel, nb))
                    for nb, r in sides)
     if launch.kind == "cluster":
