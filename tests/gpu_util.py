@@ -57,6 +57,12 @@ TINY_RANKS = {
     for how in ("chunk_groups", "warp_counters")}
 
 
+# LoRA a block a row (align_tiny_rows, align_tiny_rows_pair) at every size it takes (the GPU
+# tests and the CPU-emulator tests).
+ROW_BLOCKS = mla.AlignPolicy(tiny_row_blocks=True, tiny_row_blocks_min_routes=1,
+                             tiny_row_blocks_max_routes=1 << 30)
+
+
 def tiny_ranks_policy(numel, buckets, rows, how, fill, limits):
     """TINY_RANKS' policy for one case, after checking that the dispatcher gives the call
     align_tiny with that way of ranking (skipped where the counters do not fit)."""

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import emulator
-from gpu_util import TINY_RANKS, tiny_ranks_policy
+from gpu_util import ROW_BLOCKS, TINY_RANKS, tiny_ranks_policy
 from moe_lora_align import AlignPolicy, _call, _dispatch, _kernels
 from moe_lora_align._sizes import buffer_sizes
 from moe_lora_align.testing import (GUARD, POISON, canonical, guarded, make_lora,
@@ -532,10 +532,6 @@ def test_racecheck_names_a_missing_barrier(tmp_path):
 # align_tiny_chunked (deterministic ranks by the chunks' groups) wherever align_tiny runs.
 CHUNKED_TINY_RANKS = AlignPolicy(tiny_chunk_ranks_from=0, tiny_chunk_ranks_min_routes=0,
                                  tiny_chunk_ranks_max_routes=1 << 62, tiny_row_blocks=False)
-
-# LoRA a block a row (align_tiny_rows, align_tiny_rows_pair) at every size it takes.
-ROW_BLOCKS = AlignPolicy(tiny_row_blocks=True, tiny_row_blocks_min_routes=1,
-                         tiny_row_blocks_max_routes=1 << 30)
 
 # Tokens of K=8 routes from which the default policy runs the cluster (its pair included).
 CLUSTER_T = -(-_dispatch.DEFAULT_POLICY.cluster_min_routes // 8)

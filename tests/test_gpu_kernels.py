@@ -8,8 +8,8 @@ import pytest
 
 import moe_lora_align as mla
 from moe_lora_align.bench import routing as bench_routing
-from gpu_util import (GUARD, POISON, TINY_RANKS, canonical, cupy, guarded, make_lora,
-                      make_routing, requires_gpu, segment_starts, tiny_ranks_policy)
+from gpu_util import (GUARD, POISON, ROW_BLOCKS, TINY_RANKS, canonical, cupy, guarded,
+                      make_lora, make_routing, requires_gpu, segment_starts, tiny_ranks_policy)
 
 pytestmark = [requires_gpu, pytest.mark.gpu]
 
@@ -515,10 +515,6 @@ def test_lora_tiny_with_and_without_fill_blocks(E, T, rows, det, how):
 # just past one warp's routes and 4096 routes, a thread a bucket up to 1024 experts; listed,
 # disabled and unprocessed rows (allocated outputs fill them), an expert map, every routing
 # kind over the salts.
-ROW_BLOCKS = mla.AlignPolicy(tiny_row_blocks=True, tiny_row_blocks_min_routes=1,
-                             tiny_row_blocks_max_routes=1 << 30)
-
-
 @pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
 @pytest.mark.parametrize("E,T,K,rows", [(64, 1, 1, 2), (64, 4, 8, 4), (256, 5, 8, 16),
                                         (256, 16, 8, 16), (128, 16, 4, 4), (64, 16, 6, 16),
