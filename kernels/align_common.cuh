@@ -152,6 +152,25 @@ __device__ __forceinline__ RowBits row_bits(const Problem& p, const RowFlagLoads
   return {enabled & rows_listed};
 }
 
+// What a lane reads to find whether the call processes one row (any number of rows): its
+// first two entries of lora_ids (the list's first 64) and the row's enabled flag.
+__device__ __forceinline__ RowFlagLoads load_slot_flags(const Problem& p, int row) {
+  const int lane = threadIdx.x & 31;
+  const int listed = p.lora_ids == nullptr ? 0 : min(p.lora_ids_len, p.rows + 1);
+  return {lane < listed ? p.lora_ids[lane] : -1, lane + 32 < listed ? p.lora_ids[lane + 32] : -1,
+          adapter_on(p, row)};
+}
+
+// Whether the call processes `row` (listed, or no list, and enabled), from load_slot_flags'
+// loads; a list of more than 64 entries is searched on, 32 entries a round. Every lane calls it.
+__device__ __forceinline__ bool slot_processed(const Problem& p, const RowFlagLoads& f, int row) {
+  const int listed = p.lora_ids == nullptr ? 0 : min(p.lora_ids_len, p.rows + 1);
+  bool found = f.s0 == row || f.s1 == row;
+#pragma unroll 1
+  for (int k = (threadIdx.x & 31) + 64; k < listed; k += 32) found |= p.lora_ids[k] == row;
+  return f.on && (listed == 0 || __ballot_sync(MLA_FULL_MASK, found) != 0);
+}
+
 // RowBits of a call with at most 32 rows, worked out by the calling warp alone (every lane
 // calls it).
 __device__ __forceinline__ RowBits processed_row_bits(const Problem& p) {

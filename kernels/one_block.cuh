@@ -272,7 +272,7 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p, const Probl
   // stamps: one slot of T=16 reached its claims 1266 cycles after one base row).
   RowFlagLoads flag_loads{-1, -1, false};
   if (ROW_BITS) flag_loads = load_row_flags(p);
-  if (SLOT_ROW) flag_loads = load_row_flags(*lora);
+  if (SLOT_ROW) flag_loads = load_slot_flags(*lora, row);
   if (CHUNKED) {  // counts from the groups' claims
 #pragma unroll
     for (int q = 0; q < PER; ++q)
@@ -290,7 +290,7 @@ __device__ __forceinline__ void align_tiny_buckets(const Problem& p, const Probl
   else mark_processed_rows(p, processed);  // and its barrier
   bool slot_on = false;  // SLOT_ROW: the call processes this row
   if (SLOT_ROW) {
-    slot_on = row_bits(*lora, flag_loads)[row];
+    slot_on = slot_processed(*lora, flag_loads, row);
     if (!slot_on && !p.fill_unprocessed) return;  // the whole block: nothing to write
   }
   RowBits processed_bits{1u};
@@ -626,7 +626,7 @@ __global__ void __launch_bounds__(1024, 1) align_tiny_chunked(const Problem p) {
   else align_tiny_lora<IdT, 1, true, true, true>(p);
 }
 
-// LoRA alignment, a block a row (at most 32 rows, a thread a bucket of a row): block r
+// LoRA alignment, a block a row (any number of rows, a thread a bucket of a row): block r
 // aligns the routes of slot r as a base row of E buckets (align_tiny_buckets' SLOT_ROW).
 // align_tiny aligns every row in one block, all rows' buckets through one scan, and its
 // fill blocks write the rows' fills; here each row's count, scan, fill and stores run on an

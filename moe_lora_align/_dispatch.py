@@ -143,8 +143,9 @@ class AlignPolicy:
     # (E=64 K=6 16 slots T=16) they lost, 5.23 against 4.62.
     tiny_chunk_ranks_mid_buckets: int = 1024
     tiny_chunk_ranks_mid_min_routes: int = 512
-    # LoRA calls of 2 to 32 slots over at most tiny_one_bucket_max experts, from the first
-    # figure of routes to the second (at most TINY_ITEMS * BLOCK): a block a slot
+    # LoRA calls of 2 to tiny_row_blocks_max_rows slots over at most tiny_one_bucket_max
+    # experts, from the first figure of routes to the second (at most TINY_ITEMS * BLOCK): a
+    # block a slot
     # (align_tiny_rows), each aligning its slot's routes as a base row of E buckets, ahead
     # of one block over every slot's buckets and the launches for more routes. r55 (H100,
     # A/B lines 34 and 38): LoRA E=256 16 slots T=16 2.70 against 4.65 us, T=256 4.10
@@ -153,6 +154,7 @@ class AlignPolicy:
     tiny_row_blocks: bool = True
     tiny_row_blocks_min_routes: int = 1
     tiny_row_blocks_max_routes: int = 4096
+    tiny_row_blocks_max_rows: int = 32
     cluster_over_staged_from: int = 4097
     cluster_over_staged_from_deterministic: int = 2304
     cluster_over_staged_entries: int = 16384
@@ -410,10 +412,12 @@ def tiny_fill_blocks(numel: int, out_entries: int, rows: int, limits: DeviceLimi
 def tiny_row_blocks(numel: int, num_buckets: int, rows: int, out_entries: int,
                     deterministic: bool, limits: DeviceLimits,
                     policy: AlignPolicy = DEFAULT_POLICY):
-    """A LoRA alignment of 2 to 32 rows as a block a row (align_tiny_rows), where the policy
-    takes its routes and its experts fit a thread a bucket; else None. Each block is
-    align_tiny's base block over one row's E buckets and one row's output entries."""
-    if not (policy.tiny_row_blocks and policy.use_tiny and 2 <= rows <= 32
+    """A LoRA alignment of 2 to ``policy.tiny_row_blocks_max_rows`` rows as a block a row
+    (align_tiny_rows), where the policy takes its routes and its experts fit a thread a
+    bucket; else None. Each block is align_tiny's base block over one row's E buckets and
+    one row's output entries."""
+    if not (policy.tiny_row_blocks and policy.use_tiny
+            and 2 <= rows <= policy.tiny_row_blocks_max_rows
             and policy.tiny_row_blocks_min_routes <= numel
             <= min(policy.tiny_row_blocks_max_routes, TINY_ITEMS * BLOCK)):
         return None
@@ -1081,10 +1085,10 @@ def check_launch(launch, numel: int, sides, limits: DeviceLimits) -> None:
         elif kernel in ("single", "pair") and launch.fill_grid:
             why = (f"{launch.fill_grid} fill blocks (only align_tiny_filled, its pair and "
                    "align_cooperative have them)")
-        elif kernel in ROW_KERNELS and (launch.fill_grid or not 1 <= sides[-1][1] <= 32
+        elif kernel in ROW_KERNELS and (launch.fill_grid or sides[-1][1] < 1
                                         or grid != len(sides) - 1 + sides[-1][1]):
             why = (f"a grid of {grid} blocks for {sides[-1][1]} LoRA rows (a block a row "
-                   "after the pair's base block, at most 32 rows, no fill blocks)")
+                   "after the pair's base block, no fill blocks)")
         elif kernel in ROW_KERNELS and sides[-1][0] // sides[-1][1] > block:
             why = (f"{sides[-1][0] // sides[-1][1]} experts, more than its {block} threads "
                    "(a thread a bucket of a row)")

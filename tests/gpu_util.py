@@ -60,7 +60,8 @@ TINY_RANKS = {
 # LoRA a block a row (align_tiny_rows, align_tiny_rows_pair) at every size it takes (the GPU
 # tests and the CPU-emulator tests).
 ROW_BLOCKS = mla.AlignPolicy(tiny_row_blocks=True, tiny_row_blocks_min_routes=1,
-                             tiny_row_blocks_max_routes=1 << 30)
+                             tiny_row_blocks_max_routes=1 << 30,
+                             tiny_row_blocks_max_rows=1 << 30)
 
 
 def tiny_ranks_policy(numel, buckets, rows, how, fill, limits):

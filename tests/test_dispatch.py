@@ -1107,11 +1107,12 @@ def test_tiny_chunked_refuses_past_its_block_or_in_free_order():
 
 # ---- LoRA a block a row (align_tiny_rows, align_tiny_rows_pair) ----------------------------
 ROWS = d.AlignPolicy(tiny_row_blocks=True)
+MANY_ROWS = d.AlignPolicy(tiny_row_blocks=True, tiny_row_blocks_max_rows=100)
 
 
 def test_row_blocks_take_lora_calls_of_their_range():
-    """A block a row for LoRA calls of 2 to 32 rows and tiny_row_blocks_min_routes to
-    _max_routes routes, a thread a bucket of a row (tiny_one_bucket_max experts), each block
+    """A block a row for LoRA calls of 2 to tiny_row_blocks_max_rows rows and
+    tiny_row_blocks_min_routes to _max_routes routes, a thread a bucket of a row (tiny_one_bucket_max experts), each block
     sized as align_tiny's base block of one row; never for base calls or without the policy."""
     lo, hi = ROWS.tiny_row_blocks_min_routes, ROWS.tiny_row_blocks_max_routes
     P, M = 128 + 256 * 15, 248
@@ -1132,6 +1133,8 @@ def test_row_blocks_take_lora_calls_of_their_range():
             (hi, 4 * 64, 4, True, ROWS, True), (hi + 1, 4 * 64, 4, True, ROWS, False),
             (128, 2 * 64, 2, True, ROWS, True), (128, 64, 1, True, ROWS, False),
             (128, 32 * 8, 32, True, ROWS, True), (128, 33 * 8, 33, True, ROWS, False),
+            (128, 33 * 8, 33, True, MANY_ROWS, True), (128, 100 * 64, 100, True, MANY_ROWS, True),
+            (128, 101 * 64, 101, True, MANY_ROWS, False),
             (128, 2 * 1024, 2, True, ROWS, True), (128, 2 * 1025, 2, True, ROWS, False),
             (128, 4 * 64, 4, False, ROWS, False),
             (128, 4 * 64, 4, True, NO_ROWS, False),
@@ -1147,8 +1150,8 @@ def test_row_blocks_take_lora_calls_of_their_range():
 
 def test_row_blocks_pair_and_its_guard():
     """Base in block 0, then a block a LoRA row: the larger block and shared memory of the
-    two sides; the guard refuses a grid that is not 1 + rows (or rows alone), more than 32
-    rows, fill blocks, and more experts than threads."""
+    two sides; the guard refuses a grid that is not 1 + rows (or rows alone), fill blocks,
+    and more experts than threads. Past 32 rows (the policy's bound) the pair is the same."""
     pair = d.choose_pair(128, 256, 16 * 256, 16, H200, out_entries=16 * 4216, policy=ROWS,
                          prefer_cooperative=True)
     assert pair.row_blocks and pair.grid == 17 and not pair.fill_grid
@@ -1162,11 +1165,14 @@ def test_row_blocks_pair_and_its_guard():
     d.check_launch(det, 2048, [(64, 1), (16 * 256, 16)], NO_COOP)
     assert not d.choose_pair(128, 256, 16 * 256, 16, H200, policy=NO_ROWS).row_blocks
     assert not d.choose_pair(128, 256, 33 * 256, 33, H200, policy=ROWS).row_blocks
+    many = d.choose_pair(128, 256, 64 * 256, 64, H200, out_entries=64 * 4216, policy=MANY_ROWS)
+    assert many.row_blocks and many.grid == 65
+    d.check_launch(many, 128, [(256, 1), (64 * 256, 64)], H200)
     lone = d.choose_launch(128, 16 * 256, 16, H200, policy=ROWS, lora=True)
     for bad, numel, sides_, match in [
             (dataclasses.replace(pair, grid=16), 128, sides, "a grid of 16 blocks"),
             (dataclasses.replace(lone, grid=17), 128, [(16 * 256, 16)], "a grid of 17"),
-            (dataclasses.replace(lone, grid=33), 128, [(33 * 256, 33)], "at most 32 rows"),
+            (dataclasses.replace(lone, grid=64), 128, [(65 * 256, 65)], "a grid of 64"),
             (dataclasses.replace(lone, fill_grid=2), 128, [(16 * 256, 16)], "no fill blocks"),
             (dataclasses.replace(lone, block=128), 128, [(16 * 256, 16)], "256 experts")]:
         with pytest.raises(d.LaunchRefused, match=match):

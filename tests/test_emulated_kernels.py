@@ -739,10 +739,12 @@ def _row_launch(numel, E, rows, det, policy=ROW_BLOCKS):
     (1, 1, 64, 2, "uniform"), (4, 8, 64, 4, "uniform"), (5, 8, 256, 16, "skewed"),
     (16, 8, 256, 16, "uniform"), (16, 8, 256, 32, "hot"), (33, 1, 1024, 2, "invalid"),
     (100, 6, 64, 16, "skewed"), (255, 8, 256, 16, "uniform"), (512, 8, 256, 16, "hot"),
-    (512, 8, 7, 3, "duplicates"), (3, 8, 1000, 5, "uniform")])
+    (512, 8, 7, 3, "duplicates"), (3, 8, 1000, 5, "uniform"), (40, 8, 128, 33, "skewed"),
+    (300, 2, 32, 80, "hot"), (512, 4, 64, 100, "uniform")])
 def test_lora_row_blocks(emu, T, K, E, rows, kind, det):
     """A block a LoRA row: listed, unlisted, disabled and -1 tokens, an expert map, and rows
-    not processed left alone or (allocated outputs) given the empty alignment."""
+    not processed left alone or (allocated outputs) given the empty alignment; past 32 rows
+    and past a list of 64 entries (which each block searches for its slot)."""
     launch = _row_launch(T * K, E, rows, det)
     assert launch.row_blocks and launch.grid == rows and not launch.fill_grid
     for salt in range(4):
@@ -771,7 +773,7 @@ def test_lora_row_blocks_limits(emu, det):
 
 @pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
 @pytest.mark.parametrize("T,E,B,L", [(16, 256, 16, 16), (5, 64, 16, 2), (64, 128, 16, 4),
-                                     (255, 64, 16, 32), (3, 1024, 64, 3)])
+                                     (255, 64, 16, 32), (3, 1024, 64, 3), (40, 64, 16, 70)])
 def test_fused_pair_with_row_blocks(emu, T, E, B, L, det):
     """Base in block 0 (align_tiny's block, its one warp at few routes) and a block a LoRA
     row after it, in one launch: both sides as the NumPy backend's."""

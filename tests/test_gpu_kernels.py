@@ -511,15 +511,17 @@ def test_lora_tiny_with_and_without_fill_blocks(E, T, rows, det, how):
                    disabled=salt, use_map=salt == 2)
 
 
-# LoRA a block a row (align_tiny_rows), asked for at every size it takes: a row of 2 to 32,
-# just past one warp's routes and 4096 routes, a thread a bucket up to 1024 experts; listed,
+# LoRA a block a row (align_tiny_rows), asked for at every size it takes: 2 to 100 rows (a
+# list past 64 entries, which each block searches for its slot), just past one warp's routes
+# and 4096 routes, a thread a bucket up to 1024 experts; listed,
 # disabled and unprocessed rows (allocated outputs fill them), an expert map, every routing
 # kind over the salts.
 @pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
 @pytest.mark.parametrize("E,T,K,rows", [(64, 1, 1, 2), (64, 4, 8, 4), (256, 5, 8, 16),
                                         (256, 16, 8, 16), (128, 16, 4, 4), (64, 16, 6, 16),
                                         (256, 64, 8, 32), (1024, 33, 1, 2), (256, 255, 8, 16),
-                                        (256, 512, 8, 16), (7, 512, 8, 3), (1000, 3, 8, 5)])
+                                        (256, 512, 8, 16), (7, 512, 8, 3), (1000, 3, 8, 5),
+                                        (128, 40, 8, 33), (32, 300, 2, 80), (64, 512, 4, 100)])
 def test_lora_row_blocks(E, T, K, rows, det):
     P, M = mla.buffer_sizes(T * K, E, 16)
     launch = mla._dispatch.choose_launch(T * K, rows * E, rows, mla._launch.device_limits(0),

@@ -99,7 +99,7 @@ def test_fused_decode_with_and_without_tiny(T, E, K, B, L):
                                        (5, 64, 8, 128, 33)])
 def test_fused_tiny_pair_with_and_without_fill_blocks(T, E, K, B, L, how, det):
     """The fused tiny pair with its LoRA side's fill blocks (blocks 2.. of a cooperative
-    launch) and without, or with a block a LoRA row after the base block (up to 32 rows),
+    launch) and without, or with a block a LoRA row after the base block (33 rows too),
     each asked for by its policy, also one block up to any fill size; the result as two
     separate calls', and deterministic bit for bit."""
     fill, rows = how == "fill_blocks", how == "row_blocks"
@@ -107,13 +107,13 @@ def test_fused_tiny_pair_with_and_without_fill_blocks(T, E, K, B, L, how, det):
                              tiny_fill_blocks_one_row_from=0 if fill else 1 << 62,
                              coop_over_single_entries=1 << 30,
                              coop_over_filled_single_entries=1 << 30, tiny_row_blocks=rows,
-                             tiny_row_blocks_min_routes=1)
+                             tiny_row_blocks_min_routes=1, tiny_row_blocks_max_rows=64)
     P, M = mla.buffer_sizes(T * K, E, B)
     launch = mla._dispatch.choose_pair(T * K, E, L * E, L, mla._launch.device_limits(0),
                                        deterministic=det, out_entries=L * (P + M),
                                        policy=policy)
     assert launch is not None and launch.tiny and bool(launch.fill_grid) == fill
-    assert launch.row_blocks == (rows and L <= 32)
+    assert launch.row_blocks == rows
     ids, mapping, lora_ids, enabled = _inputs(T, E, K, L, seed=5, disabled=2)
     for with_ids in (True, False):
         args = dict(lora_ids=cupy.asarray(lora_ids) if with_ids else None,
