@@ -155,6 +155,10 @@ class AlignPolicy:
     tiny_row_blocks_min_routes: int = 1
     tiny_row_blocks_max_routes: int = 4096
     tiny_row_blocks_max_rows: int = 32
+    # A base + LoRA pair whose LoRA side takes a block a row: base in block 0 and the rows
+    # after it (choose_pair) ahead of the cluster pair, which choose_streams otherwise tries
+    # first in the cluster's range (A/B line 39).
+    pair_row_blocks_over_cluster: bool = False
     cluster_over_staged_from: int = 4097
     cluster_over_staged_from_deterministic: int = 2304
     cluster_over_staged_entries: int = 16384

@@ -482,9 +482,13 @@ def choose_streams(base: Job, lora: Job, device_id: int, streams=None, variant=N
     ``streams`` was checked where the call entered. Returns (mode, fused launch or None)."""
     limits = device_limits(device_id)
     pair = None
+    rows_first = policy.pair_row_blocks_over_cluster and _dispatch.tiny_row_blocks(
+        base.numel, lora.num_buckets, lora.rows, out_entries(lora), base.deterministic, limits,
+        policy) is not None
     if variant == "cluster" or (
-            variant is None and _dispatch.in_cluster_range(base.numel, lora.num_buckets,
-                                                           policy, base.deterministic)):
+            variant is None and not rows_first
+            and _dispatch.in_cluster_range(base.numel, lora.num_buckets, policy,
+                                           base.deterministic)):
         pair = _dispatch.choose_cluster_pair(base.numel, base.num_buckets, lora.num_buckets,
                                              lora.rows, limits,
                                              deterministic=base.deterministic, policy=policy)

@@ -789,6 +789,24 @@ def test_fused_pair_with_row_blocks(emu, T, E, B, L, det):
         lora.check(det)
 
 
+@pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
+@pytest.mark.parametrize("T,L", [(288, 4), (512, 2)])
+def test_pair_row_blocks_over_cluster(emu, T, L, det):
+    """Pairs in the cluster's range whose LoRA side takes a block a row: the cluster pair by
+    default, the row pair with pair_row_blocks_over_cluster; both as the NumPy backend's."""
+    base = Case(T, 8, 256, 16, seed=T)
+    lora = Case(T, 8, 256, 16, rows=L, seed=T, disabled=1)
+    lora.ids[:] = base.ids
+    lora.answer()
+    for over, want_rows in [(False, False), (True, True)]:
+        policy = AlignPolicy(pair_row_blocks_over_cluster=over)
+        mode, pair = emulator.run_pair(emu, base.job(det), lora.job(det), policy=policy)
+        assert mode == "fused" and pair.row_blocks == want_rows
+        assert (pair.kind == "cluster") != want_rows
+        base.check(det)
+        lora.check(det)
+
+
 def test_ordered_cooperative_totals_leave_the_scratch_clean(emu):
     """The ordered path writes each bucket's total into its count buffer where the other
     paths add to zeroed counts: free calls on either buffer after it, and ordered calls after

@@ -131,6 +131,28 @@ def test_fused_tiny_pair_with_and_without_fill_blocks(T, E, K, B, L, how, det):
             _check(base, lora, ids, mapping, listed, enabled, B, E, L)
 
 
+@pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
+@pytest.mark.parametrize("over", [False, True], ids=["cluster_pair", "row_pair"])
+@pytest.mark.parametrize("T,L", [(288, 4), (512, 2)])
+def test_pair_row_blocks_over_cluster(T, L, over, det):
+    """Pairs of 2304 and 4096 routes whose LoRA side takes a block a row: the cluster pair,
+    or with pair_row_blocks_over_cluster base in block 0 and a block a row after it."""
+    E, K, B = 256, 8, 16
+    policy = mla.AlignPolicy(pair_row_blocks_over_cluster=over)
+    ids, mapping, lora_ids, enabled = _inputs(T, E, K, L, seed=7, disabled=1)
+    base, lora = mla.align_moe_and_lora(cupy.asarray(ids), cupy.asarray(mapping), B, E, L,
+                                        lora_ids=cupy.asarray(lora_ids),
+                                        adapter_enabled=cupy.asarray(enabled),
+                                        streams="fused", deterministic=det, policy=policy)
+    cupy.cuda.get_current_stream().synchronize()
+    if det:
+        rb, rl = _expect(ids, mapping, lora_ids, enabled, B, E, L)
+        for a, b in zip(list(base) + list(lora), list(rb) + list(rl)):
+            np.testing.assert_array_equal(cupy.asnumpy(a), b)
+    else:
+        _check(base, lora, ids, mapping, lora_ids, enabled, B, E, L)
+
+
 def test_fused_refuses_a_deterministic_prefill_no_pair_kernel_holds():
     """Deterministic prefill fuses into one cooperative launch (test_gpu_kernels:
     test_cooperative_pair_deterministic), except where both sides would sort their
