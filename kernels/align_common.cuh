@@ -171,6 +171,17 @@ __device__ __forceinline__ bool slot_processed(const Problem& p, const RowFlagLo
   return f.on && (listed == 0 || __ballot_sync(MLA_FULL_MASK, found) != 0);
 }
 
+// Row `r` of a LoRA call as a one-row problem: its outputs' row (the kernels a block or a
+// cluster a row keep only the routes of slot r, as that row's slot 0).
+__device__ __forceinline__ Problem slot_row_problem(const Problem& p, int r) {
+  Problem row = p;
+  row.sorted_ids += (long long)r * p.sorted_pitch;
+  row.expert_ids += (long long)r * p.expert_pitch;
+  row.num_post_pad += r;
+  row.rows = 1;
+  return row;
+}
+
 // RowBits of a call with at most 32 rows, worked out by the calling warp alone (every lane
 // calls it).
 __device__ __forceinline__ RowBits processed_row_bits(const Problem& p) {

@@ -1,5 +1,5 @@
-// Multi-block kernels in one launch of one thread-block cluster: align_cluster,
-// align_cluster_pair. Included by align_kernels.cu, after align_common.cuh and the modes,
+// Multi-block kernels in one launch of thread-block clusters: align_cluster,
+// align_cluster_rows, align_cluster_pair. Included by align_kernels.cu, after align_common.cuh and the modes,
 // dynamic_smem and for_routes that file defines.
 
 // ---------------------------------------------------------------------------------------------
@@ -72,8 +72,11 @@ __device__ __forceinline__ const int* in_block(const int* local, unsigned rank) 
 // span), 32 at a time, a bucket a lane, so the reads of every block's histogram are
 // coalesced and free of bank conflicts, and each lane's loads from all the blocks are in
 // flight at once.
-template <typename IdT, bool DET>
-__device__ __forceinline__ void align_in_cluster(const Problem& p) {
+// SLOT_ROW (align_cluster_rows): `p` is row `row` of the LoRA call `lora` (its outputs' row,
+// rows = 1), and its routes are those of the tokens of slot `row`, as slot 0 of the row.
+template <typename IdT, bool DET, bool SLOT_ROW = false>
+__device__ __forceinline__ void align_in_cluster(const Problem& p, const Problem* lora = nullptr,
+                                                 int row = 0) {
   __shared__ int warp_sums[32];
   const int nb = num_buckets(p), bd = blockDim.x, tid = threadIdx.x;
   const int lane = tid & 31, warp = tid >> 5, nwarps = bd >> 5;
@@ -95,10 +98,25 @@ __device__ __forceinline__ void align_in_cluster(const Problem& p) {
   Route route[CLUSTER_ITEMS];  // in flight during the set-up below
 #pragma unroll
   for (int j = 0; j < CLUSTER_ITEMS; ++j) route[j] = load_route<IdT>(p, first + j * step, end);
+  RowFlagLoads flag_loads{-1, -1, false};
+  if (SLOT_ROW && warp == 0) flag_loads = load_slot_flags(*lora, row);
   for (int b = tid; b < nb; b += bd) hist[b] = 0;
   if (DET)
     for (int k = tid; k < nwarps * stride / 2; k += bd) reinterpret_cast<unsigned*>(warp_counts)[k] = 0;
-  mark_processed_rows(p, processed);  // ends in a barrier: the zeros are in place
+  if (SLOT_ROW) {  // the row's flag, then its routes as slot 0 and every other route dropped
+    if (warp == 0) {
+      const bool on = slot_processed(*lora, flag_loads, row);
+      if (lane == 0) processed[0] = on;
+    }
+    __syncthreads();
+    // Every block of the cluster reads the same flag: all leave, or none does.
+    if (!processed[0] && !p.fill_unprocessed) return;
+#pragma unroll
+    for (int j = 0; j < CLUSTER_ITEMS; ++j)
+      route[j] = route[j].slot == row ? Route{route[j].id, 0} : Route{-1, 0};
+  } else {
+    mark_processed_rows(p, processed);  // ends in a barrier: the zeros are in place
+  }
   MLA_STAMP(4, 1);
   // This block's share of the fills, cut over the cluster's threads; the barrier below
   // orders them before the route and tile-owner stores of every block.
@@ -196,6 +214,18 @@ template <typename IdT, bool DET>
 __global__ void __launch_bounds__(1024, 1) MLA_CLUSTER_DIMS align_cluster(const Problem p) {
 #if MLA_CLUSTERS
   align_in_cluster<IdT, DET>(p);
+#endif
+}
+
+// LoRA alignment, a cluster a row (grid = rows * CLUSTER_BLOCKS): cluster r aligns the
+// routes of slot r as a one-row problem of E buckets, each row's count, scan, fill and stores
+// on CLUSTER_BLOCKS SMs of their own, where one cluster or the cooperative launch runs every
+// row's buckets through one scan. Every cluster reads every route.
+template <typename IdT, bool DET>
+__global__ void __launch_bounds__(1024, 1) MLA_CLUSTER_DIMS align_cluster_rows(const Problem p) {
+#if MLA_CLUSTERS
+  const int r = blockIdx.x / CLUSTER_BLOCKS;
+  align_in_cluster<IdT, DET, true>(slot_row_problem(p, r), &p, r);
 #endif
 }
 

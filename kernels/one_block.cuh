@@ -633,12 +633,8 @@ __global__ void __launch_bounds__(1024, 1) align_tiny_chunked(const Problem p) {
 // SM of their own, and no block waits for another. Every block reads every route.
 template <typename IdT, bool DET>
 __device__ __forceinline__ void align_slot_row(const Problem& p, int r) {
-  Problem row = p;
-  row.sorted_ids += (long long)r * p.sorted_pitch;
-  row.expert_ids += (long long)r * p.expert_pitch;
-  row.num_post_pad += r;
-  row.rows = 1;
-  align_tiny_buckets<IdT, 1, DET, true, false, false, false, false, true>(row, &p, r);
+  align_tiny_buckets<IdT, 1, DET, true, false, false, false, false, true>(slot_row_problem(p, r),
+                                                                           &p, r);
 }
 
 template <typename IdT, bool DET>

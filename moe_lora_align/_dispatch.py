@@ -155,6 +155,13 @@ class AlignPolicy:
     tiny_row_blocks_min_routes: int = 1
     tiny_row_blocks_max_routes: int = 4096
     tiny_row_blocks_max_rows: int = 32
+    # LoRA calls of 2 to cluster_rows_max_rows slots from cluster_rows_min_routes routes
+    # (sm_90+, at most CLUSTER_BLOCKS * CLUSTER_ITEMS * BLOCK): a cluster a slot
+    # (align_cluster_rows), each aligning its slot's routes as one row of E buckets, ahead of
+    # the cooperative launch over every slot's buckets. Off until measured (A/B line 41).
+    cluster_rows: bool = False
+    cluster_rows_min_routes: int = 4097
+    cluster_rows_max_rows: int = 16
     # A base + LoRA pair whose LoRA side takes a block a row: base in block 0 and the rows
     # after it (choose_pair) ahead of the cluster pair, which choose_streams otherwise tries
     # first in the cluster's range (A/B line 39).
@@ -228,6 +235,8 @@ class Launch:
     rank_chunks: bool = False  # single, tiny, deterministic: flat-order ranks from the
                                #   chunks' groups (align_tiny_chunked), not per-warp counters
     row_blocks: bool = False  # single, tiny, LoRA: a block a row (align_tiny_rows; grid = rows)
+    row_clusters: bool = False  # cluster, LoRA: a cluster a row (align_cluster_rows; grid =
+                                #   rows * CLUSTER_BLOCKS)
 
     @property
     def mode(self) -> int:
@@ -650,6 +659,20 @@ def _cluster(numel, num_buckets, rows, limits, deterministic=False,
                   smem_place=smem)
 
 
+def cluster_rows(numel: int, num_buckets: int, rows: int, limits: DeviceLimits,
+                 deterministic: bool = False, policy: AlignPolicy = DEFAULT_POLICY):
+    """A LoRA alignment of 2 to ``policy.cluster_rows_max_rows`` rows from
+    ``cluster_rows_min_routes`` routes as a cluster a row (align_cluster_rows), each cluster
+    align_cluster's geometry for one row of E buckets over every route; else None."""
+    if not (policy.cluster_rows and 2 <= rows <= policy.cluster_rows_max_rows
+            and numel >= policy.cluster_rows_min_routes):
+        return None
+    one = _cluster(numel, num_buckets // rows, 1, limits, deterministic, policy)
+    if one is None:
+        return None
+    return replace(one, grid=rows * CLUSTER_BLOCKS, row_clusters=True)
+
+
 def coop_over_single(out_entries: int, filled: bool, policy: AlignPolicy) -> bool:
     """The cooperative launch beats one block writing ``out_entries`` output entries
     (``filled``: that block has fill blocks beside it)."""
@@ -692,6 +715,10 @@ def choose_launch(numel: int, num_buckets: int, rows: int, limits: DeviceLimits,
     """
     if variant is not None and variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS} or None, got {variant!r}")
+    if variant is None and lora:  # the policy's range of routes for a cluster a row
+        row_clusters = cluster_rows(numel, num_buckets, rows, limits, deterministic, policy)
+        if row_clusters is not None:
+            return row_clusters
     if deterministic and sorts_segments(num_buckets, policy) and variant != "cluster":
         # Where the non-deterministic pick (clusters aside) is count + place: it, then
         # align_order.
@@ -1010,8 +1037,9 @@ def launch_kernels(launch, fused: bool = False) -> list:
         kernels = [((name, det), launch.grid, launch.block, launch.smem_single,
                     launch.fill_grid > 0)]
     elif launch.kind == "cluster":
-        kernels = [(("cluster_pair" if fused else "cluster", det), launch.grid, launch.block,
-                    launch.smem_place, False)]
+        name = "cluster_rows" if launch.row_clusters else (
+            "cluster_pair" if fused else "cluster")
+        kernels = [((name, det), launch.grid, launch.block, launch.smem_place, False)]
     elif launch.kind == "cooperative":
         kernels = [(("cooperative", coop_mode(launch)), launch.grid, launch.block,
                     launch.smem_place, True)]
@@ -1040,6 +1068,8 @@ def _layout_bytes(kind: str, launch, numel: int, sides) -> int:
         return max(smem_one_block(nb, r, _one_block_counters(launch, numel, nb))
                    for nb, r in sides)
     if launch.kind == "cluster":
+        if launch.row_clusters:  # a LoRA row's buckets in each of its clusters
+            sides = [(nb // max(rows, 1), 1) for nb, rows in sides]
         return max(smem_cluster(nb, r, launch.deterministic, launch.block) for nb, r in sides)
     (nb, rows), = sides
     if kind == "cooperative":
@@ -1120,8 +1150,11 @@ def check_launch(launch, numel: int, sides, limits: DeviceLimits) -> None:
             if per_block * blocks < numel or (kernel == "count" and grid < launch.grid):
                 why = f"{blocks} chunks of {per_block} routes do not cover {numel} routes"
         if why is None and kernel.startswith("cluster"):
-            if grid != CLUSTER_BLOCKS * len(sides):
-                why = f"a grid of {grid} blocks, not one cluster of {CLUSTER_BLOCKS} a side"
+            # a cluster a side, or (align_cluster_rows, LoRA alone) a cluster a LoRA row
+            clusters, what = ((sides[-1][1], "LoRA row") if kernel == "cluster_rows"
+                              else (len(sides), "side"))
+            if grid != CLUSTER_BLOCKS * clusters or (kernel == "cluster_rows" and len(sides) != 1):
+                why = f"a grid of {grid} blocks, not one cluster of {CLUSTER_BLOCKS} a {what}"
             elif (launch.chunk * CLUSTER_BLOCKS < numel
                   or launch.chunk > CLUSTER_ITEMS * block):
                 why = (f"{CLUSTER_BLOCKS} chunks of {launch.chunk} routes, at most "

@@ -64,6 +64,11 @@ ROW_BLOCKS = mla.AlignPolicy(tiny_row_blocks=True, tiny_row_blocks_min_routes=1,
                              tiny_row_blocks_max_rows=1 << 30)
 
 
+# LoRA a cluster a row (align_cluster_rows, sm_90+) at every size it takes, a block a row off.
+CLUSTER_ROWS = mla.AlignPolicy(cluster_rows=True, cluster_rows_min_routes=1,
+                               cluster_rows_max_rows=1 << 30, tiny_row_blocks=False)
+
+
 def tiny_ranks_policy(numel, buckets, rows, how, fill, limits):
     """TINY_RANKS' policy for one case, after checking that the dispatcher gives the call
     align_tiny with that way of ranking (skipped where the counters do not fit)."""

@@ -1177,3 +1177,38 @@ def test_row_blocks_pair_and_its_guard():
             (dataclasses.replace(lone, block=128), 128, [(16 * 256, 16)], "256 experts")]:
         with pytest.raises(d.LaunchRefused, match=match):
             d.check_launch(bad, numel, sides_, H200)
+
+
+# ---- LoRA a cluster a row (align_cluster_rows) ---------------------------------------------
+CLUSTER_ROWS = d.AlignPolicy(cluster_rows=True)
+
+
+def test_cluster_rows_take_lora_calls_of_their_range():
+    """A cluster a row for LoRA calls of 2 to cluster_rows_max_rows rows from
+    cluster_rows_min_routes routes to what one cluster holds, on devices with clusters, each
+    cluster align_cluster's geometry of one row; the guard wants a cluster a row."""
+    lo, most = CLUSTER_ROWS.cluster_rows_min_routes, 8 * 8 * 1024
+    launch = d.choose_launch(32768, 16 * 256, 16, H200, out_entries=10**6, policy=CLUSTER_ROWS,
+                             lora=True)
+    one = d._cluster(32768, 256, 1, H200, False, CLUSTER_ROWS)
+    assert launch.row_clusters and launch.grid == 16 * 8 and launch.block == one.block
+    assert launch.smem_place == one.smem_place and launch.chunk == one.chunk
+    assert d.launch_kernels(launch) == [(("cluster_rows", False), 128, launch.block,
+                                         launch.smem_place, False)]
+    d.check_launch(launch, 32768, [(16 * 256, 16)], H200)
+    for numel, rows, policy, limits, want in [
+            (lo, 4, CLUSTER_ROWS, H200, True), (lo - 1, 4, CLUSTER_ROWS, H200, False),
+            (most, 4, CLUSTER_ROWS, H200, True), (most + 1, 4, CLUSTER_ROWS, H200, False),
+            (8192, 1, CLUSTER_ROWS, H200, False), (8192, 16, CLUSTER_ROWS, H200, True),
+            (8192, 17, CLUSTER_ROWS, H200, False), (8192, 4, d.AlignPolicy(), H200, False),
+            (8192, 4, CLUSTER_ROWS, dataclasses.replace(H200, clusters=False), False)]:
+        got = d.choose_launch(numel, rows * 64, rows, limits, out_entries=rows * 20000,
+                              policy=policy, lora=True)
+        assert got.row_clusters == want, (numel, rows, policy.cluster_rows)
+    det = d.choose_launch(8192, 16 * 256, 16, H200, deterministic=True, policy=CLUSTER_ROWS,
+                          lora=True)
+    assert det.row_clusters and det.deterministic and not det.order_grid
+    for bad, sides_ in [(dataclasses.replace(launch, grid=8), [(16 * 256, 16)]),
+                        (launch, [(256, 1), (16 * 256, 16)])]:
+        with pytest.raises(d.LaunchRefused, match="a cluster of 8 a LoRA row|not one cluster"):
+            d.check_launch(bad, 32768, sides_, H200)

@@ -10,6 +10,7 @@ mistakes before a GPU round, and runs in CI."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -20,7 +21,7 @@ import numpy as np
 import pytest
 
 import emulator
-from gpu_util import ROW_BLOCKS, TINY_RANKS, tiny_ranks_policy
+from gpu_util import CLUSTER_ROWS, ROW_BLOCKS, TINY_RANKS, tiny_ranks_policy
 from moe_lora_align import AlignPolicy, _call, _dispatch, _kernels
 from moe_lora_align._sizes import buffer_sizes
 from moe_lora_align.testing import (GUARD, POISON, canonical, guarded, make_lora,
@@ -551,7 +552,8 @@ def _every_kernel(emu):
                                         (40, 64, 4, None, TINY_FILL["tiny_fill_blocks"]),
                                         (40, 64, 4, None, TINY_FILL["no_tiny_fill_blocks"]),
                                         (40, 64, 4, None, CHUNKED_TINY_RANKS),
-                                        (40, 64, 4, None, ROW_BLOCKS)]:
+                                        (40, 64, 4, None, ROW_BLOCKS),
+                                        (40, 64, 4, None, CLUSTER_ROWS)]:
         for det in (False, True):
             if not _refused(variant, det, T * 8, E, 1, policy):
                 _run(emu, Case(T, 8, E, 16, rows=rows, seed=T), det, variant, policy,
@@ -769,6 +771,41 @@ def test_lora_row_blocks_limits(emu, det):
     assert not _row_launch(64, 64, 4, det, AlignPolicy(tiny_row_blocks=False)).row_blocks
     assert not _row_launch(64, 64, 4, det, AlignPolicy(tiny_row_blocks=True,
                                                        use_tiny=False)).row_blocks
+
+
+@pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
+@pytest.mark.parametrize("T,K,E,rows,kind", [
+    (1, 1, 64, 2, "uniform"), (100, 6, 64, 4, "skewed"), (33, 1, 1024, 2, "invalid"),
+    (130, 8, 256, 16, "hot"), (64, 8, 7, 3, "duplicates"), (10, 8, 128, 33, "uniform"),
+    (700, 8, 64, 2, "uniform")])
+def test_lora_cluster_rows(emu, T, K, E, rows, kind, det):
+    """A cluster a LoRA row: listed, unlisted, disabled and -1 tokens, an expert map, and
+    rows not processed left alone or (allocated outputs) given the empty alignment."""
+    launch = _row_launch(T * K, E, rows, det, CLUSTER_ROWS)
+    assert launch.row_clusters and launch.grid == rows * 8 and launch.kind == "cluster"
+    for salt in range(4):
+        _run(emu, Case(T, K, E, 16, rows=rows, seed=170 + salt, kind=kind, with_ids=salt != 2,
+                       disabled=salt, map_mode="before" if salt == 2 else None,
+                       allocate=salt == 3), det, None, CLUSTER_ROWS, seeds=(salt,))
+
+
+@pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
+def test_lora_cluster_rows_limits(emu, det):
+    """Both sides of each bound of a cluster a row: its routes (from cluster_rows_min_routes
+    to what one cluster holds), its rows (2 to cluster_rows_max_rows), and clusters."""
+    pol = AlignPolicy(cluster_rows=True, cluster_rows_min_routes=4097, cluster_rows_max_rows=16)
+    most = 8 * 8 * 1024  # CLUSTER_BLOCKS * CLUSTER_ITEMS * BLOCK
+    for numel, E, rows, want in [(4096, 64, 4, False), (4097, 64, 4, True),
+                                 (most, 64, 4, True), (most + 1, 64, 4, False),
+                                 (8192, 64, 1, False), (8192, 64, 2, True),
+                                 (8192, 8, 16, True), (8192, 8, 17, False)]:
+        assert _row_launch(numel, E, rows, det, pol).row_clusters == want, (numel, E, rows)
+    assert not _row_launch(8192, 64, 4, det, AlignPolicy()).row_clusters
+    no_clusters = dataclasses.replace(emulator.LIMITS, clusters=False)
+    P, M = buffer_sizes(8192, 64, 16)
+    assert not _dispatch.choose_launch(8192, 4 * 64, 4, no_clusters, deterministic=det,
+                                       out_entries=4 * (P + M), policy=pol,
+                                       lora=True).row_clusters
 
 
 @pytest.mark.parametrize("det", [False, True], ids=["free", "det"])

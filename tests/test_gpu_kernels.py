@@ -8,8 +8,9 @@ import pytest
 
 import moe_lora_align as mla
 from moe_lora_align.bench import routing as bench_routing
-from gpu_util import (GUARD, POISON, ROW_BLOCKS, TINY_RANKS, canonical, cupy, guarded,
-                      make_lora, make_routing, requires_gpu, segment_starts, tiny_ranks_policy)
+from gpu_util import (CLUSTER_ROWS, GUARD, POISON, ROW_BLOCKS, TINY_RANKS, canonical, cupy,
+                      guarded, make_lora, make_routing, requires_gpu, segment_starts,
+                      tiny_ranks_policy)
 
 pytestmark = [requires_gpu, pytest.mark.gpu]
 
@@ -531,6 +532,30 @@ def test_lora_row_blocks(E, T, K, rows, det):
     for salt in range(5):
         _lora_case(E, T, None, det, salt=160 + salt, topk=K, max_loras=rows, block_size=16,
                    policy=ROW_BLOCKS, allocate=salt == 1, with_ids=salt != 2,
+                   disabled=salt % 3, use_map=salt == 2)
+
+
+# LoRA a cluster a row (align_cluster_rows, sm_90+), asked for at every size it takes: 2 to
+# 80 rows, one route to what one cluster holds (65536), a list past 64 entries; listed,
+# disabled and unprocessed rows (allocated outputs fill them), an expert map, every routing
+# kind over the salts.
+@pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
+@pytest.mark.parametrize("E,T,K,rows", [(64, 1, 1, 2), (256, 130, 8, 16), (1024, 33, 1, 2),
+                                        (7, 512, 8, 3), (128, 40, 8, 33), (32, 300, 2, 80),
+                                        (256, 1024, 8, 16), (256, 4096, 8, 16),
+                                        (64, 8192, 8, 4)])
+def test_lora_cluster_rows(E, T, K, rows, det):
+    limits = mla._launch.device_limits(0)
+    if not limits.clusters:
+        pytest.skip("clusters need sm_90 or newer")
+    P, M = mla.buffer_sizes(T * K, E, 16)
+    launch = mla._dispatch.choose_launch(T * K, rows * E, rows, limits, deterministic=det,
+                                         out_entries=rows * (P + M), policy=CLUSTER_ROWS,
+                                         lora=True)
+    assert launch.row_clusters and launch.grid == rows * 8
+    for salt in range(5):
+        _lora_case(E, T, None, det, salt=180 + salt, topk=K, max_loras=rows, block_size=16,
+                   policy=CLUSTER_ROWS, allocate=salt == 1, with_ids=salt != 2,
                    disabled=salt % 3, use_map=salt == 2)
 
 
