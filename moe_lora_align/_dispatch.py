@@ -145,27 +145,33 @@ class AlignPolicy:
     tiny_chunk_ranks_mid_min_routes: int = 512
     # LoRA calls of 2 to tiny_row_blocks_max_rows slots over at most tiny_one_bucket_max
     # experts, from the first figure of routes to the second (at most TINY_ITEMS * BLOCK): a
-    # block a slot
-    # (align_tiny_rows), each aligning its slot's routes as a base row of E buckets, ahead
-    # of one block over every slot's buckets and the launches for more routes. r55 (H100,
-    # A/B lines 34 and 38): LoRA E=256 16 slots T=16 2.70 against 4.65 us, T=256 4.10
-    # against 7.40, T=512 4.61 against 10.18; T=1 2.54 against 3.48; deterministic T=16
-    # 3.10 against 6.06 (docs/tuning.md has the rows).
+    # block a slot (align_tiny_rows), each aligning its slot's routes as a base row of E
+    # buckets, ahead of one block over every slot's buckets and the launches for more
+    # routes. r55 (H100, A/B lines 34 and 38): LoRA E=256 16 slots T=16 2.70 against 4.65
+    # us, T=256 4.10 against 7.40, T=512 4.61 against 10.18; T=1 2.54 against 3.48;
+    # deterministic T=16 3.10 against 6.06. r56 (line 40), past 32 slots: 64 slots T=16
+    # 3.00 against 38.61, 128 slots of 64 T=16 3.48 against 26.58 (docs/tuning.md).
     tiny_row_blocks: bool = True
     tiny_row_blocks_min_routes: int = 1
     tiny_row_blocks_max_routes: int = 4096
-    tiny_row_blocks_max_rows: int = 32
-    # LoRA calls of 2 to cluster_rows_max_rows slots from cluster_rows_min_routes routes
-    # (sm_90+, at most CLUSTER_BLOCKS * CLUSTER_ITEMS * BLOCK): a cluster a slot
-    # (align_cluster_rows), each aligning its slot's routes as one row of E buckets, ahead of
-    # the cooperative launch over every slot's buckets. Off until measured (A/B line 41).
-    cluster_rows: bool = False
+    tiny_row_blocks_max_rows: int = 128
+    # LoRA calls of 2 to cluster_rows_max_rows slots, of cluster_rows_min_routes to
+    # cluster_rows_max_routes routes (sm_90+): a cluster a slot (align_cluster_rows), each
+    # aligning its slot's routes as one row of E buckets, where the cooperative launch ran
+    # every slot's buckets (the cluster over at most cluster_max_buckets keeps its range).
+    # r56 (H100, A/B line 41): LoRA E=256 B=64 16 slots T=1024 6.36 against 10.90 us,
+    # deterministic 7.50 against 15.15; from 16384 routes it lost (T=2048 11.56 against
+    # 11.12, T=8192 16.21 against 12.54).
+    cluster_rows: bool = True
     cluster_rows_min_routes: int = 4097
+    cluster_rows_max_routes: int = 8192
     cluster_rows_max_rows: int = 16
-    # A base + LoRA pair whose LoRA side takes a block a row: base in block 0 and the rows
-    # after it (choose_pair) ahead of the cluster pair, which choose_streams otherwise tries
-    # first in the cluster's range (A/B line 39).
-    pair_row_blocks_over_cluster: bool = False
+    # Base + LoRA pairs of at most this many routes whose LoRA side takes a block a row:
+    # base in block 0 and the rows after it (choose_pair) ahead of the cluster pair, which
+    # choose_streams otherwise tries first in the cluster's range. r56 (H100, A/B line 39):
+    # E=256 4 slots T=288 (2304 routes) 5.26 against 6.65 us, deterministic 6.53 against
+    # 7.66; at 4096 routes it lost (7.58 against 7.14; 2 slots 7.58 against 6.47).
+    pair_row_blocks_over_cluster_max_routes: int = 2304
     cluster_over_staged_from: int = 4097
     cluster_over_staged_from_deterministic: int = 2304
     cluster_over_staged_entries: int = 16384
@@ -661,11 +667,12 @@ def _cluster(numel, num_buckets, rows, limits, deterministic=False,
 
 def cluster_rows(numel: int, num_buckets: int, rows: int, limits: DeviceLimits,
                  deterministic: bool = False, policy: AlignPolicy = DEFAULT_POLICY):
-    """A LoRA alignment of 2 to ``policy.cluster_rows_max_rows`` rows from
-    ``cluster_rows_min_routes`` routes as a cluster a row (align_cluster_rows), each cluster
-    align_cluster's geometry for one row of E buckets over every route; else None."""
+    """A LoRA alignment of 2 to ``policy.cluster_rows_max_rows`` rows of
+    ``cluster_rows_min_routes`` to ``cluster_rows_max_routes`` routes as a cluster a row
+    (align_cluster_rows), each cluster align_cluster's geometry for one row of E buckets over
+    every route; else None."""
     if not (policy.cluster_rows and 2 <= rows <= policy.cluster_rows_max_rows
-            and numel >= policy.cluster_rows_min_routes):
+            and policy.cluster_rows_min_routes <= numel <= policy.cluster_rows_max_routes):
         return None
     one = _cluster(numel, num_buckets // rows, 1, limits, deterministic, policy)
     if one is None:
@@ -715,10 +722,6 @@ def choose_launch(numel: int, num_buckets: int, rows: int, limits: DeviceLimits,
     """
     if variant is not None and variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS} or None, got {variant!r}")
-    if variant is None and lora:  # the policy's range of routes for a cluster a row
-        row_clusters = cluster_rows(numel, num_buckets, rows, limits, deterministic, policy)
-        if row_clusters is not None:
-            return row_clusters
     if deterministic and sorts_segments(num_buckets, policy) and variant != "cluster":
         # Where the non-deterministic pick (clusters aside) is count + place: it, then
         # align_order.
@@ -751,6 +754,10 @@ def choose_launch(numel: int, num_buckets: int, rows: int, limits: DeviceLimits,
         cluster = _cluster(numel, num_buckets, rows, limits, deterministic, policy)
         if cluster is not None:
             return cluster
+    if variant is None and lora:  # the policy's range for a cluster a row, ahead of coop
+        row_clusters = cluster_rows(numel, num_buckets, rows, limits, deterministic, policy)
+        if row_clusters is not None:
+            return row_clusters
     if variant is None:
         coop = _cooperative(numel, num_buckets, rows, limits, out_entries, deterministic,
                             policy)

@@ -64,9 +64,11 @@ ROW_BLOCKS = mla.AlignPolicy(tiny_row_blocks=True, tiny_row_blocks_min_routes=1,
                              tiny_row_blocks_max_rows=1 << 30)
 
 
-# LoRA a cluster a row (align_cluster_rows, sm_90+) at every size it takes, a block a row off.
+# LoRA a cluster a row (align_cluster_rows, sm_90+) at every size it takes: a block a row and
+# the one cluster over few buckets off.
 CLUSTER_ROWS = mla.AlignPolicy(cluster_rows=True, cluster_rows_min_routes=1,
-                               cluster_rows_max_rows=1 << 30, tiny_row_blocks=False)
+                               cluster_rows_max_routes=1 << 30, cluster_rows_max_rows=1 << 30,
+                               tiny_row_blocks=False, cluster_min_routes=1 << 30)
 
 
 def tiny_ranks_policy(numel, buckets, rows, how, fill, limits):

@@ -1107,7 +1107,7 @@ def test_tiny_chunked_refuses_past_its_block_or_in_free_order():
 
 # ---- LoRA a block a row (align_tiny_rows, align_tiny_rows_pair) ----------------------------
 ROWS = d.AlignPolicy(tiny_row_blocks=True)
-MANY_ROWS = d.AlignPolicy(tiny_row_blocks=True, tiny_row_blocks_max_rows=100)
+FEWER_ROWS = d.AlignPolicy(tiny_row_blocks=True, tiny_row_blocks_max_rows=100)
 
 
 def test_row_blocks_take_lora_calls_of_their_range():
@@ -1132,9 +1132,9 @@ def test_row_blocks_take_lora_calls_of_their_range():
             (lo, 4 * 64, 4, True, ROWS, True), (lo - 1, 4 * 64, 4, True, ROWS, False),
             (hi, 4 * 64, 4, True, ROWS, True), (hi + 1, 4 * 64, 4, True, ROWS, False),
             (128, 2 * 64, 2, True, ROWS, True), (128, 64, 1, True, ROWS, False),
-            (128, 32 * 8, 32, True, ROWS, True), (128, 33 * 8, 33, True, ROWS, False),
-            (128, 33 * 8, 33, True, MANY_ROWS, True), (128, 100 * 64, 100, True, MANY_ROWS, True),
-            (128, 101 * 64, 101, True, MANY_ROWS, False),
+            (128, 128 * 8, 128, True, ROWS, True), (128, 129 * 8, 129, True, ROWS, False),
+            (128, 100 * 64, 100, True, FEWER_ROWS, True),
+            (128, 101 * 64, 101, True, FEWER_ROWS, False),
             (128, 2 * 1024, 2, True, ROWS, True), (128, 2 * 1025, 2, True, ROWS, False),
             (128, 4 * 64, 4, False, ROWS, False),
             (128, 4 * 64, 4, True, NO_ROWS, False),
@@ -1151,7 +1151,7 @@ def test_row_blocks_take_lora_calls_of_their_range():
 def test_row_blocks_pair_and_its_guard():
     """Base in block 0, then a block a LoRA row: the larger block and shared memory of the
     two sides; the guard refuses a grid that is not 1 + rows (or rows alone), fill blocks,
-    and more experts than threads. Past 32 rows (the policy's bound) the pair is the same."""
+    and more experts than threads. Past 32 rows the pair is the same."""
     pair = d.choose_pair(128, 256, 16 * 256, 16, H200, out_entries=16 * 4216, policy=ROWS,
                          prefer_cooperative=True)
     assert pair.row_blocks and pair.grid == 17 and not pair.fill_grid
@@ -1164,8 +1164,8 @@ def test_row_blocks_pair_and_its_guard():
         for nb in (64, 256))
     d.check_launch(det, 2048, [(64, 1), (16 * 256, 16)], NO_COOP)
     assert not d.choose_pair(128, 256, 16 * 256, 16, H200, policy=NO_ROWS).row_blocks
-    assert not d.choose_pair(128, 256, 33 * 256, 33, H200, policy=ROWS).row_blocks
-    many = d.choose_pair(128, 256, 64 * 256, 64, H200, out_entries=64 * 4216, policy=MANY_ROWS)
+    assert not d.choose_pair(128, 64, 129 * 64, 129, H200, policy=ROWS).row_blocks
+    many = d.choose_pair(128, 256, 64 * 256, 64, H200, out_entries=64 * 4216, policy=ROWS)
     assert many.row_blocks and many.grid == 65
     d.check_launch(many, 128, [(256, 1), (64 * 256, 64)], H200)
     lone = d.choose_launch(128, 16 * 256, 16, H200, policy=ROWS, lora=True)
@@ -1180,35 +1180,39 @@ def test_row_blocks_pair_and_its_guard():
 
 
 # ---- LoRA a cluster a row (align_cluster_rows) ---------------------------------------------
-CLUSTER_ROWS = d.AlignPolicy(cluster_rows=True)
+WIDE_CLUSTER_ROWS = d.AlignPolicy(cluster_rows_max_routes=8 * 8 * 1024)
 
 
 def test_cluster_rows_take_lora_calls_of_their_range():
-    """A cluster a row for LoRA calls of 2 to cluster_rows_max_rows rows from
-    cluster_rows_min_routes routes to what one cluster holds, on devices with clusters, each
-    cluster align_cluster's geometry of one row; the guard wants a cluster a row."""
-    lo, most = CLUSTER_ROWS.cluster_rows_min_routes, 8 * 8 * 1024
-    launch = d.choose_launch(32768, 16 * 256, 16, H200, out_entries=10**6, policy=CLUSTER_ROWS,
-                             lora=True)
-    one = d._cluster(32768, 256, 1, H200, False, CLUSTER_ROWS)
+    """A cluster a row for LoRA calls of 2 to cluster_rows_max_rows rows and
+    cluster_rows_min_routes to _max_routes routes (at most what one cluster holds), on
+    devices with clusters, past the one cluster's buckets; each cluster align_cluster's
+    geometry of one row; the guard wants a cluster a row."""
+    pol = d.DEFAULT_POLICY
+    lo, hi, most = pol.cluster_rows_min_routes, pol.cluster_rows_max_routes, 8 * 8 * 1024
+    launch = d.choose_launch(hi, 16 * 256, 16, H200, out_entries=10**6, lora=True)
+    one = d._cluster(hi, 256, 1, H200, False, pol)
     assert launch.row_clusters and launch.grid == 16 * 8 and launch.block == one.block
     assert launch.smem_place == one.smem_place and launch.chunk == one.chunk
     assert d.launch_kernels(launch) == [(("cluster_rows", False), 128, launch.block,
                                          launch.smem_place, False)]
-    d.check_launch(launch, 32768, [(16 * 256, 16)], H200)
-    for numel, rows, policy, limits, want in [
-            (lo, 4, CLUSTER_ROWS, H200, True), (lo - 1, 4, CLUSTER_ROWS, H200, False),
-            (most, 4, CLUSTER_ROWS, H200, True), (most + 1, 4, CLUSTER_ROWS, H200, False),
-            (8192, 1, CLUSTER_ROWS, H200, False), (8192, 16, CLUSTER_ROWS, H200, True),
-            (8192, 17, CLUSTER_ROWS, H200, False), (8192, 4, d.AlignPolicy(), H200, False),
-            (8192, 4, CLUSTER_ROWS, dataclasses.replace(H200, clusters=False), False)]:
-        got = d.choose_launch(numel, rows * 64, rows, limits, out_entries=rows * 20000,
+    d.check_launch(launch, hi, [(16 * 256, 16)], H200)
+    for numel, E, rows, policy, limits, want in [
+            (lo, 256, 16, pol, H200, True), (lo - 1, 256, 16, pol, H200, False),
+            (hi, 256, 16, pol, H200, True), (hi + 1, 256, 16, pol, H200, False),
+            (most, 256, 16, WIDE_CLUSTER_ROWS, H200, True),
+            (most + 1, 256, 16, WIDE_CLUSTER_ROWS, H200, False),
+            (hi, 1024, 1, pol, H200, False), (hi, 1024, 2, pol, H200, True),
+            (hi, 256, 17, pol, H200, False),
+            (hi, 256, 4, pol, H200, False),  # 1024 buckets: the one cluster's range
+            (hi, 256, 16, d.AlignPolicy(cluster_rows=False), H200, False),
+            (hi, 256, 16, pol, dataclasses.replace(H200, clusters=False), False)]:
+        got = d.choose_launch(numel, rows * E, rows, limits, out_entries=rows * 20000,
                               policy=policy, lora=True)
-        assert got.row_clusters == want, (numel, rows, policy.cluster_rows)
-    det = d.choose_launch(8192, 16 * 256, 16, H200, deterministic=True, policy=CLUSTER_ROWS,
-                          lora=True)
+        assert got.row_clusters == want, (numel, E, rows, policy.cluster_rows)
+    det = d.choose_launch(hi, 16 * 256, 16, H200, deterministic=True, lora=True)
     assert det.row_clusters and det.deterministic and not det.order_grid
     for bad, sides_ in [(dataclasses.replace(launch, grid=8), [(16 * 256, 16)]),
                         (launch, [(256, 1), (16 * 256, 16)])]:
-        with pytest.raises(d.LaunchRefused, match="a cluster of 8 a LoRA row|not one cluster"):
-            d.check_launch(bad, 32768, sides_, H200)
+        with pytest.raises(d.LaunchRefused, match="not one cluster"):
+            d.check_launch(bad, hi, sides_, H200)

@@ -791,20 +791,24 @@ def test_lora_cluster_rows(emu, T, K, E, rows, kind, det):
 
 @pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
 def test_lora_cluster_rows_limits(emu, det):
-    """Both sides of each bound of a cluster a row: its routes (from cluster_rows_min_routes
-    to what one cluster holds), its rows (2 to cluster_rows_max_rows), and clusters."""
-    pol = AlignPolicy(cluster_rows=True, cluster_rows_min_routes=4097, cluster_rows_max_rows=16)
-    most = 8 * 8 * 1024  # CLUSTER_BLOCKS * CLUSTER_ITEMS * BLOCK
-    for numel, E, rows, want in [(4096, 64, 4, False), (4097, 64, 4, True),
-                                 (most, 64, 4, True), (most + 1, 64, 4, False),
-                                 (8192, 64, 1, False), (8192, 64, 2, True),
-                                 (8192, 8, 16, True), (8192, 8, 17, False)]:
-        assert _row_launch(numel, E, rows, det, pol).row_clusters == want, (numel, E, rows)
-    assert not _row_launch(8192, 64, 4, det, AlignPolicy()).row_clusters
+    """Both sides of each bound of a cluster a row under the default policy: its routes
+    (cluster_rows_min_routes to _max_routes), its rows (2 to cluster_rows_max_rows), buckets
+    past the one cluster's (which keeps its range), and clusters on the device."""
+    pol = AlignPolicy()
+    lo, hi = pol.cluster_rows_min_routes, pol.cluster_rows_max_routes
+    for numel, E, rows, want in [(lo - 1, 256, 16, False), (lo, 256, 16, True),
+                                 (hi, 256, 16, True), (hi + 1, 256, 16, False),
+                                 (hi, 1024, 1, False), (hi, 1024, 2, True),
+                                 (hi, 128, 16, True), (hi, 128, 17, False),
+                                 (hi, 256, 4, False)]:  # 1024 buckets: the one cluster
+        launch = _row_launch(numel, E, rows, det, pol)
+        assert launch.row_clusters == want, (numel, E, rows)
+    assert _row_launch(hi, 256, 4, det, pol).kind == "cluster"
+    assert not _row_launch(hi, 256, 16, det, AlignPolicy(cluster_rows=False)).row_clusters
     no_clusters = dataclasses.replace(emulator.LIMITS, clusters=False)
-    P, M = buffer_sizes(8192, 64, 16)
-    assert not _dispatch.choose_launch(8192, 4 * 64, 4, no_clusters, deterministic=det,
-                                       out_entries=4 * (P + M), policy=pol,
+    P, M = buffer_sizes(hi, 256, 16)
+    assert not _dispatch.choose_launch(hi, 16 * 256, 16, no_clusters, deterministic=det,
+                                       out_entries=16 * (P + M), policy=pol,
                                        lora=True).row_clusters
 
 
@@ -829,14 +833,17 @@ def test_fused_pair_with_row_blocks(emu, T, E, B, L, det):
 @pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
 @pytest.mark.parametrize("T,L", [(288, 4), (512, 2)])
 def test_pair_row_blocks_over_cluster(emu, T, L, det):
-    """Pairs in the cluster's range whose LoRA side takes a block a row: the cluster pair by
-    default, the row pair with pair_row_blocks_over_cluster; both as the NumPy backend's."""
+    """Pairs in the cluster's range whose LoRA side takes a block a row: the row pair up to
+    pair_row_blocks_over_cluster_max_routes routes (2304 by default), the cluster pair past
+    it; both as the NumPy backend's."""
     base = Case(T, 8, 256, 16, seed=T)
     lora = Case(T, 8, 256, 16, rows=L, seed=T, disabled=1)
     lora.ids[:] = base.ids
     lora.answer()
-    for over, want_rows in [(False, False), (True, True)]:
-        policy = AlignPolicy(pair_row_blocks_over_cluster=over)
+    for most in (None, 0, 1 << 30):
+        policy = (AlignPolicy() if most is None
+                  else AlignPolicy(pair_row_blocks_over_cluster_max_routes=most))
+        want_rows = T * 8 <= policy.pair_row_blocks_over_cluster_max_routes
         mode, pair = emulator.run_pair(emu, base.job(det), lora.job(det), policy=policy)
         assert mode == "fused" and pair.row_blocks == want_rows
         assert (pair.kind == "cluster") != want_rows

@@ -136,9 +136,9 @@ def test_fused_tiny_pair_with_and_without_fill_blocks(T, E, K, B, L, how, det):
 @pytest.mark.parametrize("T,L", [(288, 4), (512, 2)])
 def test_pair_row_blocks_over_cluster(T, L, over, det):
     """Pairs of 2304 and 4096 routes whose LoRA side takes a block a row: the cluster pair,
-    or with pair_row_blocks_over_cluster base in block 0 and a block a row after it."""
+    or (pair_row_blocks_over_cluster_max_routes) base in block 0 and a block a row after it."""
     E, K, B = 256, 8, 16
-    policy = mla.AlignPolicy(pair_row_blocks_over_cluster=over)
+    policy = mla.AlignPolicy(pair_row_blocks_over_cluster_max_routes=(1 << 30) if over else 0)
     ids, mapping, lora_ids, enabled = _inputs(T, E, K, L, seed=7, disabled=1)
     base, lora = mla.align_moe_and_lora(cupy.asarray(ids), cupy.asarray(mapping), B, E, L,
                                         lora_ids=cupy.asarray(lora_ids),
