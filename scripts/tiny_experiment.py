@@ -103,7 +103,7 @@ CASES = [  # op, T, E, K, B, L
     ("lora", 1024, 128, 8, 16, 16), ("lora", 1024, 64, 8, 64, 2),
     # the row pair's cut against the cluster pair (pair_row_blocks_over_cluster)
     ("pair", 320, 256, 8, 16, 4), ("pair", 384, 256, 8, 16, 4), ("pair", 448, 256, 8, 16, 4),
-    ("pair", 384, 256, 8, 16, 2),
+    ("pair", 384, 256, 8, 16, 2), ("pair", 272, 256, 8, 16, 2),
 ]
 
 

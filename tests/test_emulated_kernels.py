@@ -536,6 +536,8 @@ CHUNKED_TINY_RANKS = AlignPolicy(tiny_chunk_ranks_from=0, tiny_chunk_ranks_min_r
 
 # Tokens of K=8 routes from which the default policy runs the cluster (its pair included).
 CLUSTER_T = -(-_dispatch.DEFAULT_POLICY.cluster_min_routes // 8)
+# the cluster pair where a block a LoRA row would also run (the row pair's cut at 0)
+CLUSTER_PAIR = AlignPolicy(pair_row_blocks_over_cluster_max_routes=0)
 
 
 def _every_kernel(emu):
@@ -559,7 +561,7 @@ def _every_kernel(emu):
                 _run(emu, Case(T, 8, E, 16, rows=rows, seed=T), det, variant, policy,
                      seeds=(0,))
     for T, E, rows, policy in [(16, 64, 4, _dispatch.DEFAULT_POLICY), (16, 64, 4, WITHOUT_TINY),
-                               (CLUSTER_T, 64, 4, _dispatch.DEFAULT_POLICY),
+                               (CLUSTER_T, 64, 4, CLUSTER_PAIR),
                                (2048, 64, 4, _dispatch.DEFAULT_POLICY),
                                (2048, 256, 16, _dispatch.DEFAULT_POLICY),
                                (40, 64, 4, TINY_FILL["tiny_fill_blocks"]),
@@ -757,13 +759,13 @@ def test_lora_row_blocks(emu, T, K, E, rows, kind, det):
 
 @pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
 def test_lora_row_blocks_limits(emu, det):
-    """Both sides of each bound of a block a row: its routes, its rows (2 to 32) and a thread
+    """Both sides of each bound of a block a row: its routes, its rows (2 to 128) and a thread
     a bucket of a row (tiny_one_bucket_max); past them the other launches run as before."""
     pol = AlignPolicy(tiny_row_blocks=True, tiny_row_blocks_min_routes=33,
                       tiny_row_blocks_max_routes=1024)
     for numel, E, rows, want in [(32, 64, 4, False), (33, 64, 4, True), (1024, 64, 4, True),
                                  (1025, 64, 4, False), (64, 64, 1, False), (64, 64, 2, True),
-                                 (64, 8, 32, True), (64, 8, 33, False),
+                                 (64, 8, 128, True), (64, 8, 129, False),
                                  (64, 1024, 2, True), (64, 1025, 2, False)]:
         assert _row_launch(numel, E, rows, det, pol).row_blocks == want, (numel, E, rows)
         _run(emu, Case(numel, 1, E, 16, rows=rows, seed=numel + rows), det, None, pol,
