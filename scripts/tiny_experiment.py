@@ -101,7 +101,7 @@ CASES = [  # op, T, E, K, B, L
     ("lora", 600, 256, 8, 64, 16), ("lora", 768, 256, 8, 64, 16), ("lora", 1536, 256, 8, 64, 16),
     ("lora", 1024, 256, 8, 64, 8), ("lora", 1024, 256, 8, 64, 4), ("lora", 1024, 256, 8, 16, 16),
     ("lora", 1024, 128, 8, 16, 16), ("lora", 1024, 64, 8, 64, 2),
-    # the row pair's cut against the cluster pair (pair_row_blocks_over_cluster)
+    # the row pair's cut against the cluster pair (pair_row_blocks_over_cluster_max_routes)
     ("pair", 320, 256, 8, 16, 4), ("pair", 384, 256, 8, 16, 4), ("pair", 448, 256, 8, 16, 4),
     ("pair", 384, 256, 8, 16, 2), ("pair", 272, 256, 8, 16, 2),
 ]
