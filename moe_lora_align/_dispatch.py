@@ -862,6 +862,19 @@ def _forced_cluster(numel, num_buckets, rows, limits, deterministic, policy):
     return cluster
 
 
+def pair_in_cluster_range(numel: int, lora_buckets: int, rows: int, out_entries: int,
+                          deterministic: bool, limits: DeviceLimits,
+                          policy: AlignPolicy = DEFAULT_POLICY) -> bool:
+    """The policy hands a base + LoRA pair to the cluster pair: its LoRA side is in the
+    cluster's range, unless up to ``pair_row_blocks_over_cluster_max_routes`` routes that
+    side runs a block a row (then base in block 0 and the rows after it win)."""
+    if not in_cluster_range(numel, lora_buckets, policy, deterministic):
+        return False
+    return not (numel <= policy.pair_row_blocks_over_cluster_max_routes
+                and tiny_row_blocks(numel, lora_buckets, rows, out_entries, deterministic,
+                                    limits, policy) is not None)
+
+
 def choose_cluster_pair(numel: int, base_buckets: int, lora_buckets: int, rows: int,
                         limits: DeviceLimits, *, deterministic: bool = False,
                         policy: AlignPolicy = DEFAULT_POLICY):
@@ -1158,10 +1171,11 @@ def check_launch(launch, numel: int, sides, limits: DeviceLimits) -> None:
                 why = f"{blocks} chunks of {per_block} routes do not cover {numel} routes"
         if why is None and kernel.startswith("cluster"):
             # a cluster a side, or (align_cluster_rows, LoRA alone) a cluster a LoRA row
-            clusters, what = ((sides[-1][1], "LoRA row") if kernel == "cluster_rows"
-                              else (len(sides), "side"))
-            if grid != CLUSTER_BLOCKS * clusters or (kernel == "cluster_rows" and len(sides) != 1):
-                why = f"a grid of {grid} blocks, not one cluster of {CLUSTER_BLOCKS} a {what}"
+            per_row = kernel == "cluster_rows"
+            clusters = sides[-1][1] if per_row else len(sides)
+            if grid != CLUSTER_BLOCKS * clusters or (per_row and len(sides) != 1):
+                why = (f"a grid of {grid} blocks, not one cluster of {CLUSTER_BLOCKS} a "
+                       f"{'LoRA row' if per_row else 'side'}")
             elif (launch.chunk * CLUSTER_BLOCKS < numel
                   or launch.chunk > CLUSTER_ITEMS * block):
                 why = (f"{CLUSTER_BLOCKS} chunks of {launch.chunk} routes, at most "

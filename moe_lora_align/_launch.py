@@ -482,15 +482,9 @@ def choose_streams(base: Job, lora: Job, device_id: int, streams=None, variant=N
     ``streams`` was checked where the call entered. Returns (mode, fused launch or None)."""
     limits = device_limits(device_id)
     pair = None
-    # Up to the policy's routes a LoRA side of a block a row skips the cluster pair.
-    rows_first = (base.numel <= policy.pair_row_blocks_over_cluster_max_routes
-                  and _dispatch.tiny_row_blocks(base.numel, lora.num_buckets, lora.rows,
-                                                out_entries(lora), base.deterministic, limits,
-                                                policy) is not None)
-    if variant == "cluster" or (
-            variant is None and not rows_first
-            and _dispatch.in_cluster_range(base.numel, lora.num_buckets, policy,
-                                           base.deterministic)):
+    if variant == "cluster" or (variant is None and _dispatch.pair_in_cluster_range(
+            base.numel, lora.num_buckets, lora.rows, out_entries(lora), base.deterministic,
+            limits, policy)):
         pair = _dispatch.choose_cluster_pair(base.numel, base.num_buckets, lora.num_buckets,
                                              lora.rows, limits,
                                              deterministic=base.deterministic, policy=policy)

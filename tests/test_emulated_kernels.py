@@ -751,10 +751,16 @@ def test_lora_row_blocks(emu, T, K, E, rows, kind, det):
     and past a list of 64 entries (which each block searches for its slot)."""
     launch = _row_launch(T * K, E, rows, det)
     assert launch.row_blocks and launch.grid == rows and not launch.fill_grid
+    _run_slot_salts(emu, T, K, E, rows, kind, det, ROW_BLOCKS, seed=150)
+
+
+def _run_slot_salts(emu, T, K, E, rows, kind, det, policy, seed):
+    """Four salts of one LoRA case under ``policy``: listed slots, disabled ones (0 to 3),
+    no list with an expert map, then allocated outputs (unprocessed rows filled)."""
     for salt in range(4):
-        _run(emu, Case(T, K, E, 16, rows=rows, seed=150 + salt, kind=kind, with_ids=salt != 2,
+        _run(emu, Case(T, K, E, 16, rows=rows, seed=seed + salt, kind=kind, with_ids=salt != 2,
                        disabled=salt, map_mode="before" if salt == 2 else None,
-                       allocate=salt == 3), det, None, ROW_BLOCKS, seeds=(salt,))
+                       allocate=salt == 3), det, None, policy, seeds=(salt,))
 
 
 @pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
@@ -785,10 +791,7 @@ def test_lora_cluster_rows(emu, T, K, E, rows, kind, det):
     rows not processed left alone or (allocated outputs) given the empty alignment."""
     launch = _row_launch(T * K, E, rows, det, CLUSTER_ROWS)
     assert launch.row_clusters and launch.grid == rows * 8 and launch.kind == "cluster"
-    for salt in range(4):
-        _run(emu, Case(T, K, E, 16, rows=rows, seed=170 + salt, kind=kind, with_ids=salt != 2,
-                       disabled=salt, map_mode="before" if salt == 2 else None,
-                       allocate=salt == 3), det, None, CLUSTER_ROWS, seeds=(salt,))
+    _run_slot_salts(emu, T, K, E, rows, kind, det, CLUSTER_ROWS, seed=170)
 
 
 @pytest.mark.parametrize("det", [False, True], ids=["free", "det"])

@@ -28,8 +28,15 @@ def _expect(ids, mapping, lora_ids, enabled, B, E, max_loras):
     return base, lora
 
 
-def _check(got_base, got_lora, ids, mapping, lora_ids, enabled, B, E, max_loras):
+def _check(got_base, got_lora, ids, mapping, lora_ids, enabled, B, E, max_loras, *,
+           exact=False):
+    """Both sides as the NumPy backend's: segments in any order, or (``exact``, the
+    deterministic calls) bit for bit."""
     base, lora = _expect(ids, mapping, lora_ids, enabled, B, E, max_loras)
+    if exact:
+        for a, b in zip(list(got_base) + list(got_lora), list(base) + list(lora)):
+            np.testing.assert_array_equal(cupy.asnumpy(a), b)
+        return
     sb = segment_starts(ids, E, B)
     sl = segment_starts(ids, E, B, rows=max_loras, mapping=mapping, lora_ids=lora_ids,
                         enabled=enabled)
@@ -123,12 +130,7 @@ def test_fused_tiny_pair_with_and_without_fill_blocks(T, E, K, B, L, how, det):
                                             policy=policy, **args)
         cupy.cuda.get_current_stream().synchronize()
         listed = lora_ids if with_ids else None
-        if det:
-            rb, rl = _expect(ids, mapping, listed, enabled, B, E, L)
-            for a, b in zip(list(base) + list(lora), list(rb) + list(rl)):
-                np.testing.assert_array_equal(cupy.asnumpy(a), b)
-        else:
-            _check(base, lora, ids, mapping, listed, enabled, B, E, L)
+        _check(base, lora, ids, mapping, listed, enabled, B, E, L, exact=det)
 
 
 @pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
@@ -145,12 +147,7 @@ def test_pair_row_blocks_over_cluster(T, L, over, det):
                                         adapter_enabled=cupy.asarray(enabled),
                                         streams="fused", deterministic=det, policy=policy)
     cupy.cuda.get_current_stream().synchronize()
-    if det:
-        rb, rl = _expect(ids, mapping, lora_ids, enabled, B, E, L)
-        for a, b in zip(list(base) + list(lora), list(rb) + list(rl)):
-            np.testing.assert_array_equal(cupy.asnumpy(a), b)
-    else:
-        _check(base, lora, ids, mapping, lora_ids, enabled, B, E, L)
+    _check(base, lora, ids, mapping, lora_ids, enabled, B, E, L, exact=det)
 
 
 def test_fused_refuses_a_deterministic_prefill_no_pair_kernel_holds():
@@ -177,9 +174,7 @@ def test_together_deterministic_is_exact(T, E, K, B, L, tiny):
                                             adapter_enabled=cupy.asarray(enabled),
                                             streams=streams, deterministic=True,
                                             policy=policy)
-        rb, rl = _expect(ids, mapping, lora_ids, enabled, B, E, L)
-        for a, b in zip(list(base) + list(lora), list(rb) + list(rl)):
-            np.testing.assert_array_equal(cupy.asnumpy(a), b)
+        _check(base, lora, ids, mapping, lora_ids, enabled, B, E, L, exact=True)
 
 
 
