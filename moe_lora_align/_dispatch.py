@@ -156,15 +156,18 @@ class AlignPolicy:
     tiny_row_blocks_max_routes: int = 4096
     tiny_row_blocks_max_rows: int = 128
     # LoRA calls of 2 to cluster_rows_max_rows slots, of cluster_rows_min_routes to
-    # cluster_rows_max_routes routes (sm_90+): a cluster a slot (align_cluster_rows), each
-    # aligning its slot's routes as one row of E buckets, where the cooperative launch ran
-    # every slot's buckets (the cluster over at most cluster_max_buckets keeps its range).
-    # r56 (H100, A/B line 41): LoRA E=256 B=64 16 slots T=1024 6.36 against 10.90 us,
-    # deterministic 7.50 against 15.15; from 16384 routes it lost (T=2048 11.56 against
-    # 11.12, T=8192 16.21 against 12.54).
+    # cluster_rows_max_routes routes (deterministic: cluster_rows_max_routes_deterministic)
+    # (sm_90+): a cluster a slot (align_cluster_rows), each aligning its slot's routes as one
+    # row of E buckets, where the cooperative launch ran every slot's buckets (the cluster
+    # over at most cluster_max_buckets keeps its range). H100, A/B lines 41 (r56) and 42
+    # (r57), LoRA E=256 16 slots: B=64 T=1024 6.36 against 10.90 us, deterministic 7.50
+    # against 15.15; K=8 T=1536 (12288 routes) 10.66 against 11.03, deterministic 12.97
+    # against 15.25. From 16384 routes the free call lost (T=2048 11.56 against 11.12), the
+    # deterministic one from 24576 (T=3072 15.56 against 15.34).
     cluster_rows: bool = True
     cluster_rows_min_routes: int = 4097
-    cluster_rows_max_routes: int = 8192
+    cluster_rows_max_routes: int = 12288
+    cluster_rows_max_routes_deterministic: int = 16384
     cluster_rows_max_rows: int = 16
     # Base + LoRA pairs of at most this many routes whose LoRA side takes a block a row:
     # base in block 0 and the rows after it (choose_pair) ahead of the cluster pair, which
@@ -668,11 +671,13 @@ def _cluster(numel, num_buckets, rows, limits, deterministic=False,
 def cluster_rows(numel: int, num_buckets: int, rows: int, limits: DeviceLimits,
                  deterministic: bool = False, policy: AlignPolicy = DEFAULT_POLICY):
     """A LoRA alignment of 2 to ``policy.cluster_rows_max_rows`` rows of
-    ``cluster_rows_min_routes`` to ``cluster_rows_max_routes`` routes as a cluster a row
-    (align_cluster_rows), each cluster align_cluster's geometry for one row of E buckets over
-    every route; else None."""
+    ``cluster_rows_min_routes`` to ``cluster_rows_max_routes`` routes (deterministic:
+    ``cluster_rows_max_routes_deterministic``) as a cluster a row (align_cluster_rows), each
+    cluster align_cluster's geometry for one row of E buckets over every route; else None."""
+    most = (policy.cluster_rows_max_routes_deterministic if deterministic
+            else policy.cluster_rows_max_routes)
     if not (policy.cluster_rows and 2 <= rows <= policy.cluster_rows_max_rows
-            and policy.cluster_rows_min_routes <= numel <= policy.cluster_rows_max_routes):
+            and policy.cluster_rows_min_routes <= numel <= most):
         return None
     one = _cluster(numel, num_buckets // rows, 1, limits, deterministic, policy)
     if one is None:

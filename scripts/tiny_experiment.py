@@ -102,6 +102,9 @@ CASES = [  # op, T, E, K, B, L
     ("lora", 1200, 256, 4, 64, 16), ("lora", 1536, 256, 4, 64, 16),
     ("lora", 1536, 256, 8, 64, 16), ("lora", 1024, 256, 8, 64, 8), ("lora", 1024, 256, 8, 64, 4),
     ("lora", 2048, 256, 4, 16, 16), ("lora", 2048, 128, 4, 16, 16), ("lora", 1024, 64, 8, 64, 2),
+    # the r57 cuts of a cluster a row (12288 routes, deterministic 16384), 4 to 16 slots
+    ("lora", 1280, 256, 8, 64, 16), ("lora", 1280, 256, 8, 64, 4), ("lora", 1536, 256, 8, 64, 4),
+    ("lora", 2048, 256, 8, 64, 8), ("lora", 4096, 128, 4, 64, 4), ("lora", 4096, 128, 4, 64, 16),
     # the row pair's cut against the cluster pair (pair_row_blocks_over_cluster_max_routes)
     ("pair", 320, 256, 8, 16, 4), ("pair", 384, 256, 8, 16, 4), ("pair", 448, 256, 8, 16, 4),
     ("pair", 384, 256, 8, 16, 2), ("pair", 272, 256, 8, 16, 2),

@@ -1204,7 +1204,9 @@ def test_cluster_rows_take_lora_calls_of_their_range():
             (most + 1, 256, 16, WIDE_CLUSTER_ROWS, H200, False),
             (hi, 1024, 1, pol, H200, False), (hi, 1024, 2, pol, H200, True),
             (hi, 256, 17, pol, H200, False),
-            (hi, 256, 4, pol, H200, False),  # 1024 buckets: the one cluster's range
+            # 1024 buckets: the one cluster's range, and past its routes a cluster a row
+            (pol.cluster_max_routes, 256, 4, pol, H200, False),
+            (pol.cluster_max_routes + 1, 256, 4, pol, H200, True),
             (hi, 256, 16, d.AlignPolicy(cluster_rows=False), H200, False),
             (hi, 256, 16, pol, dataclasses.replace(H200, clusters=False), False)]:
         got = d.choose_launch(numel, rows * E, rows, limits, out_entries=rows * 20000,
@@ -1212,6 +1214,12 @@ def test_cluster_rows_take_lora_calls_of_their_range():
         assert got.row_clusters == want, (numel, E, rows, policy.cluster_rows)
     det = d.choose_launch(hi, 16 * 256, 16, H200, deterministic=True, lora=True)
     assert det.row_clusters and det.deterministic and not det.order_grid
+    hi_det = pol.cluster_rows_max_routes_deterministic  # past the free calls' cut
+    assert hi < hi_det
+    for numel, want in [(hi + 1, True), (hi_det, True), (hi_det + 1, False)]:
+        got = d.choose_launch(numel, 16 * 256, 16, H200, deterministic=True,
+                              out_entries=16 * 20000, lora=True)
+        assert got.row_clusters == want and got.deterministic, numel
     for bad, sides_ in [(dataclasses.replace(launch, grid=8), [(16 * 256, 16)]),
                         (launch, [(256, 1), (16 * 256, 16)])]:
         with pytest.raises(d.LaunchRefused, match="not one cluster"):

@@ -797,18 +797,21 @@ def test_lora_cluster_rows(emu, T, K, E, rows, kind, det):
 @pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
 def test_lora_cluster_rows_limits(emu, det):
     """Both sides of each bound of a cluster a row under the default policy: its routes
-    (cluster_rows_min_routes to _max_routes), its rows (2 to cluster_rows_max_rows), buckets
+    (cluster_rows_min_routes to _max_routes, or _max_routes_deterministic), its rows (2 to cluster_rows_max_rows), buckets
     past the one cluster's (which keeps its range), and clusters on the device."""
     pol = AlignPolicy()
-    lo, hi = pol.cluster_rows_min_routes, pol.cluster_rows_max_routes
+    lo = pol.cluster_rows_min_routes
+    hi = pol.cluster_rows_max_routes_deterministic if det else pol.cluster_rows_max_routes
+    one_most = pol.cluster_max_routes_deterministic if det else pol.cluster_max_routes
     for numel, E, rows, want in [(lo - 1, 256, 16, False), (lo, 256, 16, True),
                                  (hi, 256, 16, True), (hi + 1, 256, 16, False),
                                  (hi, 1024, 1, False), (hi, 1024, 2, True),
                                  (hi, 128, 16, True), (hi, 128, 17, False),
-                                 (hi, 256, 4, False)]:  # 1024 buckets: the one cluster
+                                 # 1024 buckets: the one cluster, then a cluster a row
+                                 (one_most, 256, 4, False), (one_most + 1, 256, 4, True)]:
         launch = _row_launch(numel, E, rows, det, pol)
         assert launch.row_clusters == want, (numel, E, rows)
-    assert _row_launch(hi, 256, 4, det, pol).kind == "cluster"
+    assert _row_launch(one_most, 256, 4, det, pol).kind == "cluster"
     assert not _row_launch(hi, 256, 16, det, AlignPolicy(cluster_rows=False)).row_clusters
     no_clusters = dataclasses.replace(emulator.LIMITS, clusters=False)
     P, M = buffer_sizes(hi, 256, 16)
