@@ -67,8 +67,15 @@ ROW_BLOCKS = mla.AlignPolicy(tiny_row_blocks=True, tiny_row_blocks_min_routes=1,
 # LoRA a cluster a row (align_cluster_rows, sm_90+) at every size it takes: a block a row and
 # the one cluster over few buckets off.
 CLUSTER_ROWS = mla.AlignPolicy(cluster_rows=True, cluster_rows_min_routes=1,
-                               cluster_rows_max_routes=1 << 30, cluster_rows_max_rows=1 << 30,
+                               cluster_rows_max_routes=1 << 30,
+                               cluster_rows_max_routes_deterministic=1 << 30,
+                               cluster_rows_max_rows=1 << 30,
                                tiny_row_blocks=False, cluster_min_routes=1 << 30)
+# test_gpu_kernels.test_lora_cluster_rows' cases (E, T, K, rows), free and deterministic,
+# each a cluster a row under CLUSTER_ROWS (test_dispatch checks that on the host).
+CLUSTER_ROWS_CASES = [(64, 1, 1, 2), (256, 130, 8, 16), (1024, 33, 1, 2), (7, 512, 8, 3),
+                      (128, 40, 8, 33), (32, 300, 2, 80), (256, 1024, 8, 16),
+                      (256, 4096, 8, 16), (64, 8192, 8, 4)]
 
 
 def tiny_ranks_policy(numel, buckets, rows, how, fill, limits):

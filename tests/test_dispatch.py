@@ -1180,7 +1180,20 @@ def test_row_blocks_pair_and_its_guard():
 
 
 # ---- LoRA a cluster a row (align_cluster_rows) ---------------------------------------------
-WIDE_CLUSTER_ROWS = d.AlignPolicy(cluster_rows_max_routes=8 * 8 * 1024)
+WIDE_CLUSTER_ROWS = d.AlignPolicy(cluster_rows_max_routes=8 * 8 * 1024,
+                                  cluster_rows_max_routes_deterministic=8 * 8 * 1024)
+
+
+@pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
+def test_the_gpu_tests_policy_gives_every_case_a_cluster_a_row(det):
+    """gpu_util.CLUSTER_ROWS takes each case of the GPU test of align_cluster_rows, free and
+    deterministic, on the H200's limits (as that test asserts on the device)."""
+    from gpu_util import CLUSTER_ROWS, CLUSTER_ROWS_CASES
+    for E, T, K, rows in CLUSTER_ROWS_CASES:
+        P, M = buffer_sizes(T * K, E, 16)
+        launch = d.choose_launch(T * K, rows * E, rows, H200, deterministic=det,
+                                 out_entries=rows * (P + M), policy=CLUSTER_ROWS, lora=True)
+        assert launch.row_clusters and launch.grid == rows * 8, (E, T, K, rows)
 
 
 def test_cluster_rows_take_lora_calls_of_their_range():

@@ -797,8 +797,9 @@ def test_lora_cluster_rows(emu, T, K, E, rows, kind, det):
 @pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
 def test_lora_cluster_rows_limits(emu, det):
     """Both sides of each bound of a cluster a row under the default policy: its routes
-    (cluster_rows_min_routes to _max_routes, or _max_routes_deterministic), its rows (2 to cluster_rows_max_rows), buckets
-    past the one cluster's (which keeps its range), and clusters on the device."""
+    (cluster_rows_min_routes to _max_routes, or _max_routes_deterministic), its rows (2 to
+    cluster_rows_max_rows), buckets past the one cluster's (which keeps its range up to its
+    routes), and clusters on the device."""
     pol = AlignPolicy()
     lo = pol.cluster_rows_min_routes
     hi = pol.cluster_rows_max_routes_deterministic if det else pol.cluster_rows_max_routes

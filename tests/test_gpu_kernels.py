@@ -8,9 +8,9 @@ import pytest
 
 import moe_lora_align as mla
 from moe_lora_align.bench import routing as bench_routing
-from gpu_util import (CLUSTER_ROWS, GUARD, POISON, ROW_BLOCKS, TINY_RANKS, canonical, cupy,
-                      guarded, make_lora, make_routing, requires_gpu, segment_starts,
-                      tiny_ranks_policy)
+from gpu_util import (CLUSTER_ROWS, CLUSTER_ROWS_CASES, GUARD, POISON, ROW_BLOCKS, TINY_RANKS,
+                      canonical, cupy, guarded, make_lora, make_routing, requires_gpu,
+                      segment_starts, tiny_ranks_policy)
 
 pytestmark = [requires_gpu, pytest.mark.gpu]
 
@@ -540,10 +540,7 @@ def test_lora_row_blocks(E, T, K, rows, det):
 # disabled and unprocessed rows (allocated outputs fill them), an expert map, every routing
 # kind over the salts.
 @pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
-@pytest.mark.parametrize("E,T,K,rows", [(64, 1, 1, 2), (256, 130, 8, 16), (1024, 33, 1, 2),
-                                        (7, 512, 8, 3), (128, 40, 8, 33), (32, 300, 2, 80),
-                                        (256, 1024, 8, 16), (256, 4096, 8, 16),
-                                        (64, 8192, 8, 4)])
+@pytest.mark.parametrize("E,T,K,rows", CLUSTER_ROWS_CASES)
 def test_lora_cluster_rows(E, T, K, rows, det):
     limits = mla._launch.device_limits(0)
     if not limits.clusters:
