@@ -105,6 +105,9 @@ CASES = [  # op, T, E, K, B, L
     # the r57 cuts of a cluster a row (12288 routes, deterministic 16384), 4 to 16 slots
     ("lora", 1280, 256, 8, 64, 16), ("lora", 1280, 256, 8, 64, 4), ("lora", 1536, 256, 8, 64, 4),
     ("lora", 2048, 256, 8, 64, 8), ("lora", 4096, 128, 4, 64, 4), ("lora", 4096, 128, 4, 64, 16),
+    # a cluster a row past 12288 routes over fewer slots (each cluster reads every route)
+    ("lora", 3072, 256, 8, 64, 8), ("lora", 4096, 256, 8, 64, 8), ("lora", 2048, 256, 8, 64, 4),
+    ("lora", 4096, 256, 8, 64, 4), ("lora", 2048, 512, 8, 64, 2),
     # the row pair's cut against the cluster pair (pair_row_blocks_over_cluster_max_routes)
     ("pair", 320, 256, 8, 16, 4), ("pair", 384, 256, 8, 16, 4), ("pair", 448, 256, 8, 16, 4),
     ("pair", 384, 256, 8, 16, 2), ("pair", 272, 256, 8, 16, 2),
