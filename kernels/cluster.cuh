@@ -1,6 +1,7 @@
 // Multi-block kernels in one launch of thread-block clusters: align_cluster,
-// align_cluster_rows, align_cluster_pair. Included by align_kernels.cu, after align_common.cuh and the modes,
-// dynamic_smem and for_routes that file defines.
+// align_cluster_rows, align_cluster_pair, align_cluster_rows_pair. Included by
+// align_kernels.cu, after align_common.cuh and the modes, dynamic_smem and for_routes that
+// file defines.
 
 // ---------------------------------------------------------------------------------------------
 // One cluster of CLUSTER_BLOCKS blocks (sm_90 and newer), for the sizes between one block and
@@ -235,5 +236,18 @@ __global__ void __launch_bounds__(1024, 1) MLA_CLUSTER_DIMS
     align_cluster_pair(const Problem first, const Problem second) {
 #if MLA_CLUSTERS
   align_in_cluster<IdT, DET>(blockIdx.x < CLUSTER_BLOCKS ? first : second);
+#endif
+}
+
+// Base and LoRA alignment in one launch, base on cluster 0 and a cluster a LoRA row after it
+// (grid = (1 + rows) * CLUSTER_BLOCKS): align_cluster_rows with the base row beside it, for
+// pairs whose LoRA side would run a cluster a row alone.
+template <typename IdT, bool DET>
+__global__ void __launch_bounds__(1024, 1) MLA_CLUSTER_DIMS
+    align_cluster_rows_pair(const Problem first, const Problem second) {
+#if MLA_CLUSTERS
+  const int c = blockIdx.x / CLUSTER_BLOCKS;
+  if (c == 0) align_in_cluster<IdT, DET>(first);
+  else align_in_cluster<IdT, DET, true>(slot_row_problem(second, c - 1), &second, c - 1);
 #endif
 }

@@ -169,6 +169,10 @@ class AlignPolicy:
     cluster_rows_max_routes: int = 12288
     cluster_rows_max_routes_deterministic: int = 16384
     cluster_rows_max_rows: int = 16
+    # Base + LoRA pairs whose LoRA side would run a cluster a row alone: base on a cluster
+    # beside the rows' clusters, one launch (align_cluster_rows_pair), where the cooperative
+    # pair ran. Off until the GPU has measured it (A/B line 47).
+    cluster_rows_pair: bool = False
     # Base + LoRA pairs of at most this many routes whose LoRA side takes a block a row:
     # base in block 0 and the rows after it (choose_pair) ahead of the cluster pair, which
     # choose_streams otherwise tries first in the cluster's range. r56 (H100, A/B line 39):
@@ -899,6 +903,26 @@ def choose_cluster_pair(numel: int, base_buckets: int, lora_buckets: int, rows: 
                   chunk=lora.chunk, smem_place=smem)
 
 
+def choose_cluster_rows_pair(numel: int, base_buckets: int, lora_buckets: int, rows: int,
+                             limits: DeviceLimits, *, deterministic: bool = False,
+                             policy: AlignPolicy = DEFAULT_POLICY):
+    """Base on cluster 0 and a cluster a LoRA row after it, in one launch, where the policy
+    takes pairs so (``cluster_rows_pair``) and the LoRA side alone would run a cluster a
+    row; both sides in align_cluster's geometry for these routes; else None."""
+    if not policy.cluster_rows_pair or numel < policy.cluster_rows_min_routes:
+        return None  # decode pairs leave here
+    lora = cluster_rows(numel, lora_buckets, rows, limits, deterministic, policy)
+    base = _cluster(numel, base_buckets, 1, limits, deterministic, policy)
+    if lora is None or base is None:
+        return None
+    block = max(base.block, lora.block)
+    smem = max(smem_cluster(base_buckets, 1, deterministic, block),
+               smem_cluster(lora_buckets // rows, 1, deterministic, block))
+    if smem > limits.dynamic_smem:
+        return None
+    return replace(lora, block=block, grid=(1 + rows) * CLUSTER_BLOCKS, smem_place=smem)
+
+
 def _room(smem: int, limits: DeviceLimits) -> bool:
     """An optional part of a layout (staging, a starts copy) is used when it fits."""
     return smem <= limits.dynamic_smem
@@ -1062,7 +1086,7 @@ def launch_kernels(launch, fused: bool = False) -> list:
         kernels = [((name, det), launch.grid, launch.block, launch.smem_single,
                     launch.fill_grid > 0)]
     elif launch.kind == "cluster":
-        name = "cluster_rows" if launch.row_clusters else (
+        name = ("cluster_rows_pair" if fused else "cluster_rows") if launch.row_clusters else (
             "cluster_pair" if fused else "cluster")
         kernels = [((name, det), launch.grid, launch.block, launch.smem_place, False)]
     elif launch.kind == "cooperative":
@@ -1093,7 +1117,7 @@ def _layout_bytes(kind: str, launch, numel: int, sides) -> int:
         return max(smem_one_block(nb, r, _one_block_counters(launch, numel, nb))
                    for nb, r in sides)
     if launch.kind == "cluster":
-        if launch.row_clusters:  # a LoRA row's buckets in each of its clusters
+        if launch.row_clusters:  # a LoRA row's buckets in each of its clusters (base: one)
             sides = [(nb // max(rows, 1), 1) for nb, rows in sides]
         return max(smem_cluster(nb, r, launch.deterministic, launch.block) for nb, r in sides)
     (nb, rows), = sides
@@ -1175,10 +1199,12 @@ def check_launch(launch, numel: int, sides, limits: DeviceLimits) -> None:
             if per_block * blocks < numel or (kernel == "count" and grid < launch.grid):
                 why = f"{blocks} chunks of {per_block} routes do not cover {numel} routes"
         if why is None and kernel.startswith("cluster"):
-            # a cluster a side, or (align_cluster_rows, LoRA alone) a cluster a LoRA row
-            per_row = kernel == "cluster_rows"
-            clusters = sides[-1][1] if per_row else len(sides)
-            if grid != CLUSTER_BLOCKS * clusters or (per_row and len(sides) != 1):
+            # a cluster a side, or (align_cluster_rows, and its pair after the base cluster)
+            # a cluster a LoRA row
+            per_row = kernel in ("cluster_rows", "cluster_rows_pair")
+            clusters = len(sides) - 1 + sides[-1][1] if per_row else len(sides)
+            if grid != CLUSTER_BLOCKS * clusters or (
+                    per_row and len(sides) != (2 if kernel == "cluster_rows_pair" else 1)):
                 why = (f"a grid of {grid} blocks, not one cluster of {CLUSTER_BLOCKS} a "
                        f"{'LoRA row' if per_row else 'side'}")
             elif (launch.chunk * CLUSTER_BLOCKS < numel

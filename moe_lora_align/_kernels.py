@@ -121,6 +121,7 @@ def kernel_names(dtype) -> dict:
         names[("cluster", det)] = f"align_cluster<{t}, {d}>"
         names[("cluster_pair", det)] = f"align_cluster_pair<{t}, {d}>"
         names[("cluster_rows", det)] = f"align_cluster_rows<{t}, {d}>"
+        names[("cluster_rows_pair", det)] = f"align_cluster_rows_pair<{t}, {d}>"
     for mode in (0, 1, 2):  # MODE_*; COOP_FREE, COOP_ORDERED, COOP_SORTED
         names[("cooperative", mode)] = f"align_cooperative<{t}, {mode}>"
         names[("count", mode)] = f"align_count<{t}, {mode}>"

@@ -477,7 +477,8 @@ def run(job: Job, device_id: int, framework: str, *, variant=None, stream=None,
 def choose_streams(base: Job, lora: Job, device_id: int, streams=None, variant=None,
                    policy: _dispatch.AlignPolicy = _dispatch.DEFAULT_POLICY):
     """Pick how base + LoRA run: ``fused`` (one launch: two clusters in the policy's cluster
-    range, two blocks at decode sizes, else a cooperative launch split between them),
+    range, a base cluster and a cluster a LoRA row where the policy takes that, two blocks
+    at decode sizes, else a cooperative launch split between them),
     ``one`` (both on the caller's stream) or ``two`` (forked onto two side streams);
     ``streams`` was checked where the call entered. Returns (mode, fused launch or None)."""
     limits = device_limits(device_id)
@@ -488,6 +489,11 @@ def choose_streams(base: Job, lora: Job, device_id: int, streams=None, variant=N
         pair = _dispatch.choose_cluster_pair(base.numel, base.num_buckets, lora.num_buckets,
                                              lora.rows, limits,
                                              deterministic=base.deterministic, policy=policy)
+    if pair is None and variant in (None, "cluster"):
+        pair = _dispatch.choose_cluster_rows_pair(base.numel, base.num_buckets,
+                                                  lora.num_buckets, lora.rows, limits,
+                                                  deterministic=base.deterministic,
+                                                  policy=policy)
     if pair is None and variant in (None, "shared"):
         pair = _dispatch.choose_pair(base.numel, base.num_buckets, lora.num_buckets, lora.rows,
                                      limits, deterministic=base.deterministic,

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -71,6 +73,11 @@ CLUSTER_ROWS = mla.AlignPolicy(cluster_rows=True, cluster_rows_min_routes=1,
                                cluster_rows_max_routes_deterministic=1 << 30,
                                cluster_rows_max_rows=1 << 30,
                                tiny_row_blocks=False, cluster_min_routes=1 << 30)
+# ... and base + LoRA in one launch, base on a cluster before the rows' clusters
+CLUSTER_ROWS_PAIR = dataclasses.replace(CLUSTER_ROWS, cluster_rows_pair=True)
+# test_gpu_streams.test_fused_pair_with_row_clusters' cases (T, E, K, B, rows)
+CLUSTER_ROWS_PAIR_CASES = [(40, 64, 8, 16, 3), (1024, 256, 8, 64, 8), (1536, 256, 8, 64, 15),
+                           (33, 1024, 1, 16, 2), (4096, 128, 4, 64, 4)]
 # test_gpu_kernels.test_lora_cluster_rows' cases (E, T, K, rows), free and deterministic,
 # each a cluster a row under CLUSTER_ROWS (test_dispatch checks that on the host).
 CLUSTER_ROWS_CASES = [(64, 1, 1, 2), (256, 130, 8, 16), (1024, 33, 1, 2), (7, 512, 8, 3),

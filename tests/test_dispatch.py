@@ -1184,6 +1184,48 @@ WIDE_CLUSTER_ROWS = d.AlignPolicy(cluster_rows_max_routes=8 * 8 * 1024,
                                   cluster_rows_max_routes_deterministic=8 * 8 * 1024)
 
 
+def test_cluster_rows_pair_where_the_lora_side_runs_a_cluster_a_row():
+    """Base on cluster 0 and a cluster a LoRA row after it: only where the policy asks for
+    it (off by default) and the LoRA side alone would run a cluster a row; one geometry for
+    both sides, the larger side's shared memory; the guard wants (1 + rows) clusters."""
+    numel, E, rows = 8192, 256, 16
+    assert d.choose_cluster_rows_pair(numel, E, rows * E, rows, H200) is None  # off
+    on = d.AlignPolicy(cluster_rows_pair=True)
+    pair = d.choose_cluster_rows_pair(numel, E, rows * E, rows, H200, policy=on)
+    alone = d.cluster_rows(numel, rows * E, rows, H200, policy=on)
+    assert pair.row_clusters and pair.grid == (1 + rows) * 8 and pair.chunk == alone.chunk
+    assert pair.smem_place == max(d.smem_cluster(E, 1, False, pair.block), alone.smem_place)
+    assert d.launch_kernels(pair, fused=True) == [(("cluster_rows_pair", False), pair.grid,
+                                                   pair.block, pair.smem_place, False)]
+    sides = [(E, 1), (rows * E, rows)]
+    d.check_launch(pair, numel, sides, H200)
+    for bad, sides_ in [(dataclasses.replace(pair, grid=rows * 8), sides),
+                        (pair, [(E, 1), (E, 1), (rows * E, rows)])]:
+        with pytest.raises(d.LaunchRefused, match="not one cluster"):
+            d.check_launch(bad, numel, sides_, H200)
+    det = d.choose_cluster_rows_pair(numel, E, rows * E, rows, H200, deterministic=True,
+                                     policy=on)
+    assert det.deterministic and det.row_clusters
+    for args, limits in [((16, E, rows * E, rows), H200),  # decode: a block a row
+                         ((numel, E, rows * E, 17), H200),  # past cluster_rows_max_rows
+                         ((numel, E, rows * E, rows), NO_CLUSTERS)]:
+        assert d.choose_cluster_rows_pair(*args, limits, policy=on) is None, args
+
+
+@pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
+def test_the_gpu_tests_policy_gives_every_pair_a_base_cluster_and_row_clusters(det):
+    """gpu_util.CLUSTER_ROWS_PAIR fuses each case of the GPU test of
+    align_cluster_rows_pair into that launch, free and deterministic, on the H200's limits."""
+    from gpu_util import CLUSTER_ROWS_PAIR, CLUSTER_ROWS_PAIR_CASES
+    for T, E, K, B, rows in CLUSTER_ROWS_PAIR_CASES:
+        assert d.pair_in_cluster_range(T * K, rows * E, rows, 0, det, H200,
+                                       CLUSTER_ROWS_PAIR) is False
+        pair = d.choose_cluster_rows_pair(T * K, E, rows * E, rows, H200, deterministic=det,
+                                          policy=CLUSTER_ROWS_PAIR)
+        assert pair is not None and pair.grid == (1 + rows) * 8, (T, E, K, B, rows)
+        d.check_launch(pair, T * K, [(E, 1), (rows * E, rows)], H200)
+
+
 @pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
 def test_the_gpu_tests_policy_gives_every_case_a_cluster_a_row(det):
     """gpu_util.CLUSTER_ROWS takes each case of the GPU test of align_cluster_rows, free and

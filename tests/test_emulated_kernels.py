@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 
 import emulator
-from gpu_util import CLUSTER_ROWS, ROW_BLOCKS, TINY_RANKS, tiny_ranks_policy
+from gpu_util import (CLUSTER_ROWS, CLUSTER_ROWS_PAIR, ROW_BLOCKS, TINY_RANKS,
+                      tiny_ranks_policy)
 from moe_lora_align import AlignPolicy, _call, _dispatch, _kernels
 from moe_lora_align._sizes import buffer_sizes
 from moe_lora_align.testing import (GUARD, POISON, canonical, guarded, make_lora,
@@ -566,7 +567,8 @@ def _every_kernel(emu):
                                (2048, 256, 16, _dispatch.DEFAULT_POLICY),
                                (40, 64, 4, TINY_FILL["tiny_fill_blocks"]),
                                (40, 64, 4, TINY_FILL["no_tiny_fill_blocks"]),
-                               (40, 64, 4, ROW_BLOCKS)]:
+                               (40, 64, 4, ROW_BLOCKS),
+                               (40, 64, 3, CLUSTER_ROWS_PAIR)]:
         for det in (False, True):
             base, lora = Case(T, 8, E, 64, seed=T), Case(T, 8, E, 64, rows=rows, seed=T)
             lora.ids[:] = base.ids
@@ -835,6 +837,26 @@ def test_fused_pair_with_row_blocks(emu, T, E, B, L, det):
         mode, pair = emulator.run_pair(emu, base.job(det), lora.job(det), streams="fused",
                                        policy=ROW_BLOCKS, seed=seed)
         assert pair.row_blocks and pair.grid == 1 + L
+        base.check(det)
+        lora.check(det)
+
+
+@pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
+@pytest.mark.parametrize("T,E,B,L", [(40, 64, 16, 3), (130, 256, 16, 2), (9, 1024, 64, 2),
+                                     (33, 7, 16, 5)])
+def test_fused_pair_with_row_clusters(emu, T, E, B, L, det):
+    """Base on cluster 0 and a cluster a LoRA row after it, in one launch
+    (align_cluster_rows_pair): both sides as the NumPy backend's; unlisted, disabled and -1
+    tokens on the LoRA side."""
+    base = Case(T, 8, E, B, seed=T + 7)
+    lora = Case(T, 8, E, B, rows=L, seed=T + 7, disabled=1)
+    lora.ids[:] = base.ids
+    lora.answer()
+    for seed in (0, 1):
+        mode, pair = emulator.run_pair(emu, base.job(det), lora.job(det), streams="fused",
+                                       policy=CLUSTER_ROWS_PAIR, seed=seed)
+        assert pair.row_clusters and pair.grid == (1 + L) * 8
+        assert _dispatch.launch_kernels(pair, fused=True)[0][0] == ("cluster_rows_pair", det)
         base.check(det)
         lora.check(det)
 

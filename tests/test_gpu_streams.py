@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 import moe_lora_align as mla
-from gpu_util import (canonical, cupy, delayed_copy, make_lora, make_routing, requires_gpu,
-                      segment_starts)
+from gpu_util import (CLUSTER_ROWS_PAIR, CLUSTER_ROWS_PAIR_CASES, canonical, cupy,
+                      delayed_copy, make_lora, make_routing, requires_gpu, segment_starts)
 
 pytestmark = [requires_gpu, pytest.mark.gpu]
 
@@ -146,6 +146,23 @@ def test_pair_row_blocks_over_cluster(T, L, over, det):
                                         lora_ids=cupy.asarray(lora_ids),
                                         adapter_enabled=cupy.asarray(enabled),
                                         streams="fused", deterministic=det, policy=policy)
+    cupy.cuda.get_current_stream().synchronize()
+    _check(base, lora, ids, mapping, lora_ids, enabled, B, E, L, exact=det)
+
+
+@pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
+@pytest.mark.parametrize("T,E,K,B,L", CLUSTER_ROWS_PAIR_CASES)
+def test_fused_pair_with_row_clusters(T, E, K, B, L, det):
+    """Base on cluster 0 and a cluster a LoRA row after it (align_cluster_rows_pair,
+    gpu_util.CLUSTER_ROWS_PAIR), fused: both sides as the NumPy backend's (sm_90 and newer)."""
+    if not mla._launch.device_limits(0).clusters:
+        pytest.skip("clusters need sm_90 or newer")
+    ids, mapping, lora_ids, enabled = _inputs(T, E, K, L, seed=11, disabled=1)
+    base, lora = mla.align_moe_and_lora(cupy.asarray(ids), cupy.asarray(mapping), B, E, L,
+                                        lora_ids=cupy.asarray(lora_ids),
+                                        adapter_enabled=cupy.asarray(enabled),
+                                        streams="fused", deterministic=det,
+                                        policy=CLUSTER_ROWS_PAIR)
     cupy.cuda.get_current_stream().synchronize()
     _check(base, lora, ids, mapping, lora_ids, enabled, B, E, L, exact=det)
 
