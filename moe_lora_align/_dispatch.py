@@ -884,23 +884,31 @@ def pair_in_cluster_range(numel: int, lora_buckets: int, rows: int, out_entries:
                                     limits, policy) is not None)
 
 
+def _fused_clusters(base, lora, sides, grid: int, deterministic: bool,
+                    limits: DeviceLimits):
+    """One cluster launch of ``grid`` blocks serving base and LoRA, each side's align_cluster
+    geometry for the same routes: the larger block, and the larger of the ``sides``' layouts
+    (``(num_buckets, rows)`` a cluster holds) at it; None where a side has no geometry or
+    the layout exceeds the device."""
+    if base is None or lora is None:
+        return None
+    block = max(base.block, lora.block)
+    smem = max(smem_cluster(nb, r, deterministic, block) for nb, r in sides)
+    if smem > limits.dynamic_smem:
+        return None
+    return replace(lora, block=block, grid=grid, smem_place=smem)
+
+
 def choose_cluster_pair(numel: int, base_buckets: int, lora_buckets: int, rows: int,
                         limits: DeviceLimits, *, deterministic: bool = False,
                         policy: AlignPolicy = DEFAULT_POLICY):
     """Base and LoRA in one launch of two clusters (cluster 0 base, cluster 1 LoRA): both
     sides have the same routes, so one geometry serves both, with the larger side's shared
     memory; None where align_cluster cannot run either side."""
-    base = _cluster(numel, base_buckets, 1, limits, deterministic, policy)
-    lora = _cluster(numel, lora_buckets, rows, limits, deterministic, policy)
-    if base is None or lora is None:
-        return None
-    block = max(base.block, lora.block)
-    smem = max(smem_cluster(base_buckets, 1, deterministic, block),
-               smem_cluster(lora_buckets, rows, deterministic, block))
-    if smem > limits.dynamic_smem:
-        return None
-    return Launch("cluster", "cluster", deterministic, block, grid=2 * CLUSTER_BLOCKS,
-                  chunk=lora.chunk, smem_place=smem)
+    return _fused_clusters(_cluster(numel, base_buckets, 1, limits, deterministic, policy),
+                           _cluster(numel, lora_buckets, rows, limits, deterministic, policy),
+                           [(base_buckets, 1), (lora_buckets, rows)], 2 * CLUSTER_BLOCKS,
+                           deterministic, limits)
 
 
 def choose_cluster_rows_pair(numel: int, base_buckets: int, lora_buckets: int, rows: int,
@@ -909,18 +917,13 @@ def choose_cluster_rows_pair(numel: int, base_buckets: int, lora_buckets: int, r
     """Base on cluster 0 and a cluster a LoRA row after it, in one launch, where the policy
     takes pairs so (``cluster_rows_pair``) and the LoRA side alone would run a cluster a
     row; both sides in align_cluster's geometry for these routes; else None."""
-    if not policy.cluster_rows_pair or numel < policy.cluster_rows_min_routes:
-        return None  # decode pairs leave here
-    lora = cluster_rows(numel, lora_buckets, rows, limits, deterministic, policy)
-    base = _cluster(numel, base_buckets, 1, limits, deterministic, policy)
-    if lora is None or base is None:
+    lora = (cluster_rows(numel, lora_buckets, rows, limits, deterministic, policy)
+            if policy.cluster_rows_pair else None)
+    if lora is None:  # (before the base side's geometry is worked out)
         return None
-    block = max(base.block, lora.block)
-    smem = max(smem_cluster(base_buckets, 1, deterministic, block),
-               smem_cluster(lora_buckets // rows, 1, deterministic, block))
-    if smem > limits.dynamic_smem:
-        return None
-    return replace(lora, block=block, grid=(1 + rows) * CLUSTER_BLOCKS, smem_place=smem)
+    return _fused_clusters(_cluster(numel, base_buckets, 1, limits, deterministic, policy),
+                           lora, [(base_buckets, 1), (lora_buckets // rows, 1)],
+                           (1 + rows) * CLUSTER_BLOCKS, deterministic, limits)
 
 
 def _room(smem: int, limits: DeviceLimits) -> bool:
@@ -1203,8 +1206,8 @@ def check_launch(launch, numel: int, sides, limits: DeviceLimits) -> None:
             # a cluster a LoRA row
             per_row = kernel in ("cluster_rows", "cluster_rows_pair")
             clusters = len(sides) - 1 + sides[-1][1] if per_row else len(sides)
-            if grid != CLUSTER_BLOCKS * clusters or (
-                    per_row and len(sides) != (2 if kernel == "cluster_rows_pair" else 1)):
+            if grid != CLUSTER_BLOCKS * clusters or (kernel == "cluster_rows"
+                                                     and len(sides) != 1):
                 why = (f"a grid of {grid} blocks, not one cluster of {CLUSTER_BLOCKS} a "
                        f"{'LoRA row' if per_row else 'side'}")
             elif (launch.chunk * CLUSTER_BLOCKS < numel
