@@ -108,9 +108,15 @@ CASES = [  # op, T, E, K, B, L
     # a cluster a row past 12288 routes over fewer slots (each cluster reads every route)
     ("lora", 3072, 256, 8, 64, 8), ("lora", 4096, 256, 8, 64, 8), ("lora", 2048, 256, 8, 64, 4),
     ("lora", 4096, 256, 8, 64, 4), ("lora", 2048, 512, 8, 64, 2),
+    ("lora", 1536, 256, 8, 64, 2), ("lora", 3072, 256, 8, 64, 4),
+    ("lora", 6144, 256, 8, 64, 8), ("lora", 8192, 256, 8, 64, 8),
     # base + LoRA with base on a cluster and a cluster a LoRA row (cluster_rows_pair)
     ("pair", 1536, 256, 4, 64, 8), ("pair", 2048, 256, 4, 64, 8), ("pair", 2048, 256, 4, 64, 15),
     ("pair", 3072, 256, 4, 64, 4), ("pair", 1536, 256, 8, 64, 8),
+    # the same past 8 slots and 12288 routes, and over 2 slots
+    ("pair", 1280, 256, 8, 64, 16), ("pair", 1536, 256, 8, 64, 16), ("pair", 1536, 256, 4, 64, 2),
+    ("pair", 1536, 256, 8, 64, 2), ("pair", 2048, 256, 8, 64, 8), ("pair", 2048, 256, 8, 64, 4),
+    ("pair", 4096, 256, 8, 64, 8),
     # the row pair's cut against the cluster pair (pair_row_blocks_over_cluster_max_routes)
     ("pair", 320, 256, 8, 16, 4), ("pair", 384, 256, 8, 16, 4), ("pair", 448, 256, 8, 16, 4),
     ("pair", 384, 256, 8, 16, 2), ("pair", 272, 256, 8, 16, 2),

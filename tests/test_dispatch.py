@@ -1185,12 +1185,15 @@ WIDE_CLUSTER_ROWS = d.AlignPolicy(cluster_rows_max_routes=8 * 8 * 1024,
 
 
 def test_cluster_rows_pair_where_the_lora_side_runs_a_cluster_a_row():
-    """Base on cluster 0 and a cluster a LoRA row after it: only where the policy asks for
-    it (off by default) and the LoRA side alone would run a cluster a row; one geometry for
-    both sides, the larger side's shared memory; the guard wants (1 + rows) clusters."""
+    """Base on cluster 0 and a cluster a LoRA row after it: where the policy asks for it (on
+    by default, up to cluster_rows_pair_max_routes) and the LoRA side alone would run a
+    cluster a row; one geometry for both sides, the larger side's shared memory; the guard
+    wants (1 + rows) clusters."""
     numel, E, rows = 8192, 256, 16
-    assert d.choose_cluster_rows_pair(numel, E, rows * E, rows, H200) is None  # off
-    on = d.AlignPolicy(cluster_rows_pair=True)
+    off = d.AlignPolicy(cluster_rows_pair=False)
+    assert d.choose_cluster_rows_pair(numel, E, rows * E, rows, H200, policy=off) is None
+    on = d.DEFAULT_POLICY
+    assert on.cluster_rows_pair
     pair = d.choose_cluster_rows_pair(numel, E, rows * E, rows, H200, policy=on)
     alone = d.cluster_rows(numel, rows * E, rows, H200, policy=on)
     assert pair.row_clusters and pair.grid == (1 + rows) * 8 and pair.chunk == alone.chunk
@@ -1210,6 +1213,21 @@ def test_cluster_rows_pair_where_the_lora_side_runs_a_cluster_a_row():
                          ((numel, E, rows * E, 17), H200),  # past cluster_rows_max_rows
                          ((numel, E, rows * E, rows), NO_CLUSTERS)]:
         assert d.choose_cluster_rows_pair(*args, limits, policy=on) is None, args
+
+
+@pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
+def test_cluster_rows_pair_stops_at_its_route_cut(det):
+    """The pair's own cut (cluster_rows_pair_max_routes, deterministic: _deterministic)
+    stops it where the LoRA side alone still runs a cluster a row (8 slots), both sides of
+    the cut; choose_streams then fuses the pair another way or runs two launches."""
+    pol, E, rows = d.DEFAULT_POLICY, 256, 8
+    most = (pol.cluster_rows_pair_max_routes_deterministic if det
+            else pol.cluster_rows_pair_max_routes)
+    assert most < d.cluster_rows_max_routes(rows, det, pol)
+    for numel, want in [(most, True), (most + 8, False)]:
+        assert d.cluster_rows(numel, rows * E, rows, H200, det) is not None
+        pair = d.choose_cluster_rows_pair(numel, E, rows * E, rows, H200, deterministic=det)
+        assert (pair is not None) == want, numel
 
 
 @pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
@@ -1279,3 +1297,25 @@ def test_cluster_rows_take_lora_calls_of_their_range():
                         (launch, [(256, 1), (16 * 256, 16)])]:
         with pytest.raises(d.LaunchRefused, match="not one cluster"):
             d.check_launch(bad, hi, sides_, H200)
+
+
+@pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
+def test_cluster_rows_cut_grows_with_routes_a_slot_up_to_the_wide_rows(det):
+    """Up to cluster_rows_wide_max_rows slots a cluster a row takes cluster_rows_routes_per_row
+    routes a slot (deterministic: _deterministic) where that passes the flat cut; past those
+    slots the flat cut holds; both sides of each cut, 2 to 16 slots."""
+    pol = d.DEFAULT_POLICY
+    flat = pol.cluster_rows_max_routes_deterministic if det else pol.cluster_rows_max_routes
+    per_row = (pol.cluster_rows_routes_per_row_deterministic if det
+               else pol.cluster_rows_routes_per_row)
+    wide = pol.cluster_rows_wide_max_rows
+    for rows in (2, 3, 4, wide, wide + 1, 16):
+        most = d.cluster_rows_max_routes(rows, det, pol)
+        assert most == (max(flat, per_row * rows) if rows <= wide else flat), rows
+        for numel, want in [(most, True), (most + 8, False)]:
+            if numel > 8 * 8 * 1024:  # past what one cluster holds
+                continue
+            got = d.choose_launch(numel, rows * 256, rows, H200, deterministic=det,
+                                  out_entries=rows * 20000, lora=True)
+            assert got.row_clusters == want, (rows, numel)
+    assert d.cluster_rows_max_routes(8, det, pol) > flat  # the rule widens 8 slots
