@@ -164,9 +164,11 @@ class AlignPolicy:
     # against 15.15; K=8 T=1536 (12288 routes) 10.66 against 11.03, deterministic 12.97
     # against 15.25. From 16384 routes the free call lost (T=2048 11.56 against 11.12), the
     # deterministic one from 24576 (T=3072 15.56 against 15.34).
-    # Up to cluster_rows_wide_max_rows slots the cut is at least cluster_rows_routes_per_row
-    # routes a slot (deterministic: _deterministic): the cooperative launch gains little from
-    # fewer slots, while 16 clusters of 8 blocks are more than an H100 holds at once. r58
+    # Up to cluster_rows_wide_max_rows slots of at least cluster_rows_wide_min_experts
+    # experts, the cut is at least cluster_rows_routes_per_row routes a slot (deterministic:
+    # _deterministic): the cooperative launch over that many buckets stays slow with fewer
+    # slots, while 16 clusters of 8 blocks are more than an H100 holds at once (r56: E=64 4
+    # slots of 24576 routes lost, 7.66 against 6.88 us, where its 256 buckets are cheap). r58
     # (H100, A/B lines 46 and 48), E=256 B=64 K=8: 8 slots 49152 routes 8.51 against 9.98
     # us, deterministic 65536 12.02 against 18.76; 4 slots 24576 7.45 against 7.57 and 32768
     # lost (8.08 against 7.73), deterministic 32768 10.36 against 12.50; 2 slots 16384 lost
@@ -178,9 +180,11 @@ class AlignPolicy:
     cluster_rows_routes_per_row: int = 6144
     cluster_rows_routes_per_row_deterministic: int = 8192
     cluster_rows_wide_max_rows: int = 8
+    cluster_rows_wide_min_experts: int = 256
     cluster_rows_max_rows: int = 16
     # Base + LoRA pairs whose LoRA side would run a cluster a row alone, of at most
-    # cluster_rows_pair_max_routes routes (deterministic: _deterministic): base on a cluster
+    # cluster_rows_pair_max_routes routes (deterministic: _deterministic) and at least
+    # cluster_rows_pair_min_experts experts (the sizes measured): base on a cluster
     # beside the rows' clusters, one launch (align_cluster_rows_pair), where the cooperative
     # pair ran. r58 (H100, A/B lines 47 and 49), E=256 B=64: 8 slots 8192 routes 6.21 against
     # 10.45 us, deterministic 7.27 against 19.48; 16 slots 12288 10.75 against 12.54; 8 slots
@@ -189,6 +193,7 @@ class AlignPolicy:
     cluster_rows_pair: bool = True
     cluster_rows_pair_max_routes: int = 16384
     cluster_rows_pair_max_routes_deterministic: int = 32768
+    cluster_rows_pair_min_experts: int = 256
     # Base + LoRA pairs of at most this many routes whose LoRA side takes a block a row:
     # base in block 0 and the rows after it (choose_pair) ahead of the cluster pair, which
     # choose_streams otherwise tries first in the cluster's range. r56 (H100, A/B line 39):
@@ -688,29 +693,35 @@ def _cluster(numel, num_buckets, rows, limits, deterministic=False,
                   smem_place=smem)
 
 
-def cluster_rows_max_routes(rows: int, deterministic: bool, policy: AlignPolicy) -> int:
-    """The most routes a cluster a row takes for ``rows`` slots: ``cluster_rows_max_routes``
-    (deterministic: ``_deterministic``), and up to ``cluster_rows_wide_max_rows`` slots at
-    least ``cluster_rows_routes_per_row`` (``_deterministic``) routes a slot."""
+def cluster_rows_max_routes(rows: int, num_experts: int, deterministic: bool,
+                            policy: AlignPolicy) -> int:
+    """The most routes a cluster a row takes for ``rows`` slots of ``num_experts`` experts:
+    ``cluster_rows_max_routes`` (deterministic: ``_deterministic``), and up to
+    ``cluster_rows_wide_max_rows`` slots of at least ``cluster_rows_wide_min_experts``
+    experts at least ``cluster_rows_routes_per_row`` (``_deterministic``) routes a slot."""
     if deterministic:
         flat, per_row = (policy.cluster_rows_max_routes_deterministic,
                          policy.cluster_rows_routes_per_row_deterministic)
     else:
         flat, per_row = policy.cluster_rows_max_routes, policy.cluster_rows_routes_per_row
-    return max(flat, per_row * rows) if rows <= policy.cluster_rows_wide_max_rows else flat
+    wide = (rows <= policy.cluster_rows_wide_max_rows
+            and num_experts >= policy.cluster_rows_wide_min_experts)
+    return max(flat, per_row * rows) if wide else flat
 
 
 def cluster_rows(numel: int, num_buckets: int, rows: int, limits: DeviceLimits,
                  deterministic: bool = False, policy: AlignPolicy = DEFAULT_POLICY):
     """A LoRA alignment of 2 to ``policy.cluster_rows_max_rows`` rows of
-    ``cluster_rows_min_routes`` to ``cluster_rows_max_routes(rows, ...)`` routes as a cluster
+    ``cluster_rows_min_routes`` to ``cluster_rows_max_routes(...)`` routes as a cluster
     a row (align_cluster_rows), each cluster align_cluster's geometry for one row of E
     buckets over every route; else None."""
-    most = cluster_rows_max_routes(rows, deterministic, policy)
-    if not (policy.cluster_rows and 2 <= rows <= policy.cluster_rows_max_rows
-            and policy.cluster_rows_min_routes <= numel <= most):
+    if not (policy.cluster_rows and 2 <= rows <= policy.cluster_rows_max_rows):
         return None
-    one = _cluster(numel, num_buckets // rows, 1, limits, deterministic, policy)
+    experts = num_buckets // rows
+    most = cluster_rows_max_routes(rows, experts, deterministic, policy)
+    if not policy.cluster_rows_min_routes <= numel <= most:
+        return None
+    one = _cluster(numel, experts, 1, limits, deterministic, policy)
     if one is None:
         return None
     return replace(one, grid=rows * CLUSTER_BLOCKS, row_clusters=True)
@@ -947,8 +958,10 @@ def choose_cluster_rows_pair(numel: int, base_buckets: int, lora_buckets: int, r
     geometry for these routes; else None."""
     most = (policy.cluster_rows_pair_max_routes_deterministic if deterministic
             else policy.cluster_rows_pair_max_routes)
+    takes = (policy.cluster_rows_pair and numel <= most
+             and base_buckets >= policy.cluster_rows_pair_min_experts)
     lora = (cluster_rows(numel, lora_buckets, rows, limits, deterministic, policy)
-            if policy.cluster_rows_pair and numel <= most else None)
+            if takes else None)
     if lora is None:  # (before the base side's geometry is worked out)
         return None
     return _fused_clusters(_cluster(numel, base_buckets, 1, limits, deterministic, policy),

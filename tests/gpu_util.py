@@ -73,8 +73,12 @@ CLUSTER_ROWS = mla.AlignPolicy(cluster_rows=True, cluster_rows_min_routes=1,
                                cluster_rows_max_routes_deterministic=1 << 30,
                                cluster_rows_max_rows=1 << 30,
                                tiny_row_blocks=False, cluster_min_routes=1 << 30)
-# ... and base + LoRA in one launch, base on a cluster before the rows' clusters
-CLUSTER_ROWS_PAIR = dataclasses.replace(CLUSTER_ROWS, cluster_rows_pair=True)
+# ... and base + LoRA in one launch, base on a cluster before the rows' clusters, at every
+# size and expert count it takes
+CLUSTER_ROWS_PAIR = dataclasses.replace(CLUSTER_ROWS, cluster_rows_pair=True,
+                                        cluster_rows_pair_max_routes=1 << 30,
+                                        cluster_rows_pair_max_routes_deterministic=1 << 30,
+                                        cluster_rows_pair_min_experts=1)
 # test_gpu_streams.test_fused_pair_with_row_clusters' cases (T, E, K, B, rows)
 CLUSTER_ROWS_PAIR_CASES = [(40, 64, 8, 16, 3), (1024, 256, 8, 64, 8), (1536, 256, 8, 64, 15),
                            (33, 1024, 1, 16, 2), (4096, 128, 4, 64, 4)]

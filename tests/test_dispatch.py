@@ -1223,11 +1223,17 @@ def test_cluster_rows_pair_stops_at_its_route_cut(det):
     pol, E, rows = d.DEFAULT_POLICY, 256, 8
     most = (pol.cluster_rows_pair_max_routes_deterministic if det
             else pol.cluster_rows_pair_max_routes)
-    assert most < d.cluster_rows_max_routes(rows, det, pol)
+    assert most < d.cluster_rows_max_routes(rows, E, det, pol)
     for numel, want in [(most, True), (most + 8, False)]:
         assert d.cluster_rows(numel, rows * E, rows, H200, det) is not None
         pair = d.choose_cluster_rows_pair(numel, E, rows * E, rows, H200, deterministic=det)
         assert (pair is not None) == want, numel
+    # fewer experts than cluster_rows_pair_min_experts (not measured): no rows pair
+    small = pol.cluster_rows_pair_min_experts // 2
+    numel = pol.cluster_rows_max_routes
+    assert d.cluster_rows(numel, rows * small, rows, H200, det) is not None
+    assert d.choose_cluster_rows_pair(numel, small, rows * small, rows, H200,
+                                      deterministic=det) is None
 
 
 @pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
@@ -1301,21 +1307,25 @@ def test_cluster_rows_take_lora_calls_of_their_range():
 
 @pytest.mark.parametrize("det", [False, True], ids=["free", "det"])
 def test_cluster_rows_cut_grows_with_routes_a_slot_up_to_the_wide_rows(det):
-    """Up to cluster_rows_wide_max_rows slots a cluster a row takes cluster_rows_routes_per_row
-    routes a slot (deterministic: _deterministic) where that passes the flat cut; past those
-    slots the flat cut holds; both sides of each cut, 2 to 16 slots."""
+    """Up to cluster_rows_wide_max_rows slots of at least cluster_rows_wide_min_experts
+    experts, a cluster a row takes cluster_rows_routes_per_row routes a slot (deterministic:
+    _deterministic) where that passes the flat cut; past those slots, or with fewer
+    experts, the flat cut holds; both sides of each cut, 2 to 16 slots."""
     pol = d.DEFAULT_POLICY
     flat = pol.cluster_rows_max_routes_deterministic if det else pol.cluster_rows_max_routes
     per_row = (pol.cluster_rows_routes_per_row_deterministic if det
                else pol.cluster_rows_routes_per_row)
-    wide = pol.cluster_rows_wide_max_rows
-    for rows in (2, 3, 4, wide, wide + 1, 16):
-        most = d.cluster_rows_max_routes(rows, det, pol)
-        assert most == (max(flat, per_row * rows) if rows <= wide else flat), rows
-        for numel, want in [(most, True), (most + 8, False)]:
-            if numel > 8 * 8 * 1024:  # past what one cluster holds
-                continue
-            got = d.choose_launch(numel, rows * 256, rows, H200, deterministic=det,
-                                  out_entries=rows * 20000, lora=True)
-            assert got.row_clusters == want, (rows, numel)
-    assert d.cluster_rows_max_routes(8, det, pol) > flat  # the rule widens 8 slots
+    wide, fewest = pol.cluster_rows_wide_max_rows, pol.cluster_rows_wide_min_experts
+    for E in (fewest // 4, fewest // 2, fewest, 2 * fewest):
+        for rows in (2, 3, 4, wide, wide + 1, 16):
+            most = d.cluster_rows_max_routes(rows, E, det, pol)
+            widened = rows <= wide and E >= fewest
+            assert most == (max(flat, per_row * rows) if widened else flat), (E, rows)
+            for numel, want in [(most, True), (most + 8, False)]:
+                if numel > 8 * 8 * 1024:  # past what one cluster holds
+                    continue
+                got = d.choose_launch(numel, rows * E, rows, H200, deterministic=det,
+                                      out_entries=rows * 20000, lora=True)
+                assert got.row_clusters == want, (E, rows, numel)
+    assert d.cluster_rows_max_routes(8, fewest, det, pol) > flat  # it widens 8 slots
+    assert d.cluster_rows_max_routes(8, fewest // 2, det, pol) == flat
