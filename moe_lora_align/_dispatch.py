@@ -693,8 +693,8 @@ def _cluster(numel, num_buckets, rows, limits, deterministic=False,
                   smem_place=smem)
 
 
-def cluster_rows_max_routes(rows: int, num_experts: int, deterministic: bool,
-                            policy: AlignPolicy) -> int:
+def cluster_rows_route_cut(rows: int, num_experts: int, deterministic: bool,
+                           policy: AlignPolicy) -> int:
     """The most routes a cluster a row takes for ``rows`` slots of ``num_experts`` experts:
     ``cluster_rows_max_routes`` (deterministic: ``_deterministic``), and up to
     ``cluster_rows_wide_max_rows`` slots of at least ``cluster_rows_wide_min_experts``
@@ -712,13 +712,13 @@ def cluster_rows_max_routes(rows: int, num_experts: int, deterministic: bool,
 def cluster_rows(numel: int, num_buckets: int, rows: int, limits: DeviceLimits,
                  deterministic: bool = False, policy: AlignPolicy = DEFAULT_POLICY):
     """A LoRA alignment of 2 to ``policy.cluster_rows_max_rows`` rows of
-    ``cluster_rows_min_routes`` to ``cluster_rows_max_routes(...)`` routes as a cluster
+    ``cluster_rows_min_routes`` to ``cluster_rows_route_cut(...)`` routes as a cluster
     a row (align_cluster_rows), each cluster align_cluster's geometry for one row of E
     buckets over every route; else None."""
     if not (policy.cluster_rows and 2 <= rows <= policy.cluster_rows_max_rows):
         return None
     experts = num_buckets // rows
-    most = cluster_rows_max_routes(rows, experts, deterministic, policy)
+    most = cluster_rows_route_cut(rows, experts, deterministic, policy)
     if not policy.cluster_rows_min_routes <= numel <= most:
         return None
     one = _cluster(numel, experts, 1, limits, deterministic, policy)

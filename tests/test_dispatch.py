@@ -1223,7 +1223,7 @@ def test_cluster_rows_pair_stops_at_its_route_cut(det):
     pol, E, rows = d.DEFAULT_POLICY, 256, 8
     most = (pol.cluster_rows_pair_max_routes_deterministic if det
             else pol.cluster_rows_pair_max_routes)
-    assert most < d.cluster_rows_max_routes(rows, E, det, pol)
+    assert most < d.cluster_rows_route_cut(rows, E, det, pol)
     for numel, want in [(most, True), (most + 8, False)]:
         assert d.cluster_rows(numel, rows * E, rows, H200, det) is not None
         pair = d.choose_cluster_rows_pair(numel, E, rows * E, rows, H200, deterministic=det)
@@ -1318,7 +1318,7 @@ def test_cluster_rows_cut_grows_with_routes_a_slot_up_to_the_wide_rows(det):
     wide, fewest = pol.cluster_rows_wide_max_rows, pol.cluster_rows_wide_min_experts
     for E in (fewest // 4, fewest // 2, fewest, 2 * fewest):
         for rows in (2, 3, 4, wide, wide + 1, 16):
-            most = d.cluster_rows_max_routes(rows, E, det, pol)
+            most = d.cluster_rows_route_cut(rows, E, det, pol)
             widened = rows <= wide and E >= fewest
             assert most == (max(flat, per_row * rows) if widened else flat), (E, rows)
             for numel, want in [(most, True), (most + 8, False)]:
@@ -1327,5 +1327,5 @@ def test_cluster_rows_cut_grows_with_routes_a_slot_up_to_the_wide_rows(det):
                 got = d.choose_launch(numel, rows * E, rows, H200, deterministic=det,
                                       out_entries=rows * 20000, lora=True)
                 assert got.row_clusters == want, (E, rows, numel)
-    assert d.cluster_rows_max_routes(8, fewest, det, pol) > flat  # it widens 8 slots
-    assert d.cluster_rows_max_routes(8, fewest // 2, det, pol) == flat
+    assert d.cluster_rows_route_cut(8, fewest, det, pol) > flat  # it widens 8 slots
+    assert d.cluster_rows_route_cut(8, fewest // 2, det, pol) == flat
