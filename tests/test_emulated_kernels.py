@@ -539,6 +539,8 @@ CHUNKED_TINY_RANKS = AlignPolicy(tiny_chunk_ranks_from=0, tiny_chunk_ranks_min_r
 CLUSTER_T = -(-_dispatch.DEFAULT_POLICY.cluster_min_routes // 8)
 # the cluster pair where a block a LoRA row would also run (the row pair's cut at 0)
 CLUSTER_PAIR = AlignPolicy(pair_row_blocks_over_cluster_max_routes=0)
+# the cooperative pair where base on a cluster and a cluster a LoRA row would also run
+COOPERATIVE_PAIR = AlignPolicy(cluster_rows_pair=False)
 
 
 def _every_kernel(emu):
@@ -564,7 +566,7 @@ def _every_kernel(emu):
     for T, E, rows, policy in [(16, 64, 4, _dispatch.DEFAULT_POLICY), (16, 64, 4, WITHOUT_TINY),
                                (CLUSTER_T, 64, 4, CLUSTER_PAIR),
                                (2048, 64, 4, _dispatch.DEFAULT_POLICY),
-                               (2048, 256, 16, _dispatch.DEFAULT_POLICY),
+                               (2048, 256, 16, COOPERATIVE_PAIR),
                                (40, 64, 4, TINY_FILL["tiny_fill_blocks"]),
                                (40, 64, 4, TINY_FILL["no_tiny_fill_blocks"]),
                                (40, 64, 4, ROW_BLOCKS),
