@@ -678,10 +678,13 @@ def cluster_block_threads(chunk: int, num_buckets: int,
 
 
 def _cluster(numel, num_buckets, rows, limits, deterministic=False,
-             policy: AlignPolicy = DEFAULT_POLICY):
-    """align_cluster's geometry, or None where it cannot run: no clusters on the device,
-    more routes than the cluster's threads hold (CLUSTER_ITEMS each) or a histogram that does
-    not fit (12 bytes a bucket, and deterministic: a 2-byte counter a bucket a warp)."""
+             policy: AlignPolicy = DEFAULT_POLICY, clusters: int = 1,
+             row_clusters: bool = False):
+    """align_cluster's geometry over ``clusters`` clusters (``row_clusters``: a cluster a
+    LoRA row, each of ``num_buckets`` buckets), or None where it cannot run: no clusters on
+    the device, more routes than the cluster's threads hold (CLUSTER_ITEMS each) or a
+    histogram that does not fit (12 bytes a bucket, and deterministic: a 2-byte counter a
+    bucket a warp)."""
     if not limits.clusters or numel > CLUSTER_BLOCKS * CLUSTER_ITEMS * BLOCK:
         return None
     chunk = _ceil_div(max(numel, 1), CLUSTER_BLOCKS)
@@ -689,8 +692,8 @@ def _cluster(numel, num_buckets, rows, limits, deterministic=False,
     smem = smem_cluster(num_buckets, rows, deterministic, block)
     if smem > limits.dynamic_smem:
         return None
-    return Launch("cluster", "cluster", deterministic, block, grid=CLUSTER_BLOCKS, chunk=chunk,
-                  smem_place=smem)
+    return Launch("cluster", "cluster", deterministic, block, grid=clusters * CLUSTER_BLOCKS,
+                  chunk=chunk, smem_place=smem, row_clusters=row_clusters)
 
 
 def cluster_rows_route_cut(rows: int, num_experts: int, deterministic: bool,
@@ -715,16 +718,14 @@ def cluster_rows(numel: int, num_buckets: int, rows: int, limits: DeviceLimits,
     ``cluster_rows_min_routes`` to ``cluster_rows_route_cut(...)`` routes as a cluster
     a row (align_cluster_rows), each cluster align_cluster's geometry for one row of E
     buckets over every route; else None."""
-    if not (policy.cluster_rows and 2 <= rows <= policy.cluster_rows_max_rows):
+    if not (policy.cluster_rows and 2 <= rows <= policy.cluster_rows_max_rows
+            and numel >= policy.cluster_rows_min_routes):
         return None
     experts = num_buckets // rows
-    most = cluster_rows_route_cut(rows, experts, deterministic, policy)
-    if not policy.cluster_rows_min_routes <= numel <= most:
+    if numel > cluster_rows_route_cut(rows, experts, deterministic, policy):
         return None
-    one = _cluster(numel, experts, 1, limits, deterministic, policy)
-    if one is None:
-        return None
-    return replace(one, grid=rows * CLUSTER_BLOCKS, row_clusters=True)
+    return _cluster(numel, experts, 1, limits, deterministic, policy, clusters=rows,
+                    row_clusters=True)
 
 
 def coop_over_single(out_entries: int, filled: bool, policy: AlignPolicy) -> bool:

@@ -489,7 +489,7 @@ def choose_streams(base: Job, lora: Job, device_id: int, streams=None, variant=N
         pair = _dispatch.choose_cluster_pair(base.numel, base.num_buckets, lora.num_buckets,
                                              lora.rows, limits,
                                              deterministic=base.deterministic, policy=policy)
-    if pair is None and variant in (None, "cluster") and policy.cluster_rows_pair:
+    if pair is None and variant in (None, "cluster"):
         pair = _dispatch.choose_cluster_rows_pair(base.numel, base.num_buckets,
                                                   lora.num_buckets, lora.rows, limits,
                                                   deterministic=base.deterministic,
