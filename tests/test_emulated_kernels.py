@@ -290,6 +290,27 @@ def test_long_segments_dealt_over_few_blocks(emu, E, rows, variant):
 
 
 @pytest.mark.parametrize("variant", [None, "global", "cooperative"])
+@pytest.mark.parametrize("hot,count", [(2, 1024), (2, 1025), (3, 672), (3, 683)])
+def test_long_segments_sharing_a_block_on_both_sides_of_2048(emu, hot, count, variant):
+    """``hot`` experts of ``count`` routes each, eight apart, among 2560: however the sort
+    deals buckets (up to eight blocks), they share one block's round, so the long segments
+    it holds (padded to B=16) total 2048 or 2016 entries, or 2080 or 2064: both sides of the
+    2048 up to which a block may sort them together (A/B line 54's candidate). Exact
+    against NumPy."""
+    case = Case(320, 8, 64, 16, seed=count)  # the other segments short: about 8 routes
+    rng = np.random.default_rng(count)
+    flat = case.ids.reshape(-1)
+    experts = np.arange(hot, dtype=flat.dtype) * 8 + 5
+    flat[np.isin(flat, experts)] = 6
+    flat[rng.choice(flat.size, size=hot * count, replace=False)] = np.repeat(experts, count)
+    case.answer()
+    if _refused(variant, True, flat.size, 64, 1, SORTED):
+        pytest.skip("the dispatcher refuses this variant at these sizes")
+    launch = _run(emu, case, True, variant, SORTED, seeds=(0, 1))
+    assert launch.deterministic_output
+
+
+@pytest.mark.parametrize("variant", [None, "global", "cooperative"])
 @pytest.mark.parametrize("hot", [(3, 40), (3, 7, 40, 44)])
 def test_hot_segments_among_short_ones(emu, hot, variant):
     """LoRA of 4 slots, E=64: a third of the routes on the hot experts, so every slot has a
