@@ -31,7 +31,7 @@ DTYPES = sorted(_kernels.CTYPES, key=str)
 # each architecture; the other two differed by one register, and int8 or int64 had the most
 # each time. __launch_bounds__(1024) caps a thread at 64 registers, and some kernels sit at
 # it, so those two are checked, and int32, which the engines pass. The other types' kernels
-# go through NVRTC's front end, which instantiates and checks every template: a second for all
+# go through NVRTC's front end, which instantiates and checks every template: 3 s for all
 # five, against 100 s of a core for the machine code of one type on both architectures.
 # Set MLA_COMPILE_EVERY_ID_TYPE=1 to give every type the machine-code checks.
 FULL_CHECK_DTYPES = (DTYPES if os.environ.get("MLA_COMPILE_EVERY_ID_TYPE") == "1"
@@ -66,11 +66,16 @@ def _compile_alone(job):
 MAX_COMPILE_WORKERS = 8
 
 
+def _kernels_of(dtypes):
+    """The name expressions of every kernel of these id types, sorted."""
+    return sorted({n for d in dtypes for n in _kernels.kernel_names(d).values()})
+
+
 @functools.lru_cache(maxsize=None)
 def _every_kernel_alone(arch):
     """{name: _compile_alone's result} for every kernel of FULL_CHECK_DTYPES, compiled in
     worker processes, a core each, so the compile tests take their time once over the cores."""
-    names = sorted({n for d in FULL_CHECK_DTYPES for n in _kernels.kernel_names(d).values()})
+    names = _kernels_of(FULL_CHECK_DTYPES)
     jobs = [(arch, n) for n in names]
     workers = min(len(os.sched_getaffinity(0)), MAX_COMPILE_WORKERS)
     if workers <= 1:
@@ -104,8 +109,7 @@ def _front_end_log(names):
 
 def test_every_other_id_type_compiles():
     """The id types past FULL_CHECK_DTYPES: every kernel instantiates and compiles."""
-    names = sorted({n for d in DTYPES if d not in FULL_CHECK_DTYPES
-                    for n in _kernels.kernel_names(d).values()})
+    names = _kernels_of(d for d in DTYPES if d not in FULL_CHECK_DTYPES)
     if not names:
         pytest.skip("MLA_COMPILE_EVERY_ID_TYPE=1: every id type gets the machine-code checks")
     assert _front_end_log(names) == ""
