@@ -11,10 +11,11 @@
 // needs per-block counts of every bucket prefixed across blocks.
 //
 // Warps sort the segments of at most ORDER_WARP_MAX entries in registers (bitonic networks
-// across the lanes, a column of 32 entries each). A block sorts each longer one: up to
-// ORDER_DIGITS_MAX entries by a counting sort on digits of the route indices, more through a
+// across the lanes, a column of 32 entries each). A block sorts each longer one through a
 // bitmap of the numel route indices with a summary bit for every nonzero word of it (reading
-// it back costs numel / 1024 and the routes).
+// it back costs each warp numel / 32768 rounds and its routes), except where numel is past
+// ORDER_BITMAP_ALL_MAX and the segment holds at most ORDER_DIGITS_MAX entries: those take a
+// counting sort on digits of the route indices, whose cost follows the segment's length.
 // Buckets are dealt to warps and blocks round-robin, so the work spreads over every SM.
 // Dynamic shared memory, the larger of: the digit sort's vals[ORDER_DIGITS_MAX] |
 // start[ORDER_DIGITS_MAX + 1] | scan sums[32], and the bitmap
@@ -23,6 +24,13 @@
 #define ORDER_WARP_MAX (32 * ORDER_ITEMS)
 #define ORDER_DIGITS_MAX 4096             // entries a block sorts by digits; more: by the bitmap
 #define ORDER_BLOCK_ITEMS 4               // entries a thread of a block holds: ORDER_DIGITS_MAX / 1024
+// The most route indices for which the bitmap sorts every long segment: each warp of 1024
+// threads then reads back at most 4 rounds of it. The digit sort took 4200 cycles a segment
+// of 300 to 400 entries and 6000 at 1660 (r54's stamps: about ten barriers and a scan of up
+// to 4096 digits); the bitmap has five barriers and a scan of 32 warp counts.
+#ifndef ORDER_BITMAP_ALL_MAX
+#define ORDER_BITMAP_ALL_MAX 131072
+#endif
 
 // x sorted ascending across the warp's lanes (lane l ends with the l-th smallest), by a
 // bitonic network of shuffles. Every lane calls it.
@@ -210,7 +218,7 @@ __device__ void order_segments(const Problem& p, const int* starts, int block, i
     for (int j = 0; j < longs; ++j) {
       int n;
       int* seg = segment(long_bucket[j], &n);
-      if (n <= ORDER_DIGITS_MAX) {
+      if (n <= ORDER_DIGITS_MAX && p.numel > ORDER_BITMAP_ALL_MAX) {
         int v[ORDER_BLOCK_ITEMS];
 #pragma unroll
         for (int k = 0; k < ORDER_BLOCK_ITEMS; ++k) {
