@@ -29,6 +29,9 @@ CLUSTER_ITEMS = 8             # CLUSTER_ITEMS: align_cluster's routes a thread, 
 ORDER_ITEMS = 4               # ORDER_ITEMS: entries a lane holds in the segment sort's warps
 ORDER_WARP_MAX = 32 * ORDER_ITEMS  # segments up to this long are sorted by a warp
 ORDER_DIGITS_MAX = 4096       # ORDER_DIGITS_MAX: segment entries a block sorts by digits
+ORDER_BITMAP_ALL_MAX = 131072  # ORDER_BITMAP_ALL_MAX: up to this many routes the bitmap sorts
+                              #   every long segment; past it the digits take those of up
+                              #   to ORDER_DIGITS_MAX entries
 SINGLE_BLOCK_MAX_ROUTES = BLOCK * ITEMS_PER_THREAD
 WARP_COUNTER_MAX = 65535      # unsigned short per-warp counters bound a deterministic chunk
 SMEM_SLACK = 512              # bytes of a block's shared memory kept for the kernels' static
