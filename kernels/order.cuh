@@ -31,6 +31,10 @@
 #ifndef ORDER_BITMAP_ALL_MAX
 #define ORDER_BITMAP_ALL_MAX 131072
 #endif
+// The most long segments of a round a block sorts at once, a bitmap each, where their
+// bitmaps fit the sort's scratch (order_bitmaps_fit) and they hold ORDER_DIGITS_MAX entries in
+// all: one set of barriers for them all (skewed routing deals two or three to some blocks).
+#define ORDER_GROUP_MAX 4
 
 // x sorted ascending across the warp's lanes (lane l ends with the l-th smallest), by a
 // bitonic network of shuffles. Every lane calls it.
@@ -176,6 +180,90 @@ __device__ void sort_by_bitmap(const Problem& p, int* seg, int n, unsigned* bits
   __syncthreads();  // the bitmap zeroed again, and warp_sums free, before the next segment
 }
 
+// How many bitmaps of the numel route indices, with their summaries and a warp count of each
+// a warp, the sort's scratch holds (order_scratch_bytes: at least the digit sort's
+// 2 * ORDER_DIGITS_MAX + 33 words); at most ORDER_GROUP_MAX, and 0 past ORDER_BITMAP_ALL_MAX.
+__device__ __forceinline__ int order_bitmaps_fit(int numel) {
+  if (numel > ORDER_BITMAP_ALL_MAX) return 0;
+  const int rounds = max(1, (numel + 1023) >> 10);
+  return min(ORDER_GROUP_MAX, (2 * ORDER_DIGITS_MAX + 33) / (33 * rounds + 32));
+}
+
+// Sort the routes at the front of the `count` segments seg[g][0, n[g]) (count <=
+// ORDER_GROUP_MAX, their entries at most ORDER_DIGITS_MAX in all; the sentinels stay behind
+// the routes) at once by the whole block, each through a bitmap of its own as sort_by_bitmap
+// does, so that the barriers are paid once. `scratch` holds `capacity` (order_bitmaps_fit)
+// bitmaps of 32 * rounds words, the first `zeroed` of them zero (the first `count` are zero
+// again on the way out), then at fixed places past them a summary of rounds words and a
+// count a warp (32 words) for each. Every thread calls it.
+__device__ void sort_by_bitmaps(const Problem& p, int* const (&seg)[ORDER_GROUP_MAX],
+                                const int (&n)[ORDER_GROUP_MAX], int count, int capacity,
+                                int zeroed, unsigned* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const int rounds = max(1, (p.numel + 1023) >> 10), words = 32 * rounds;
+  unsigned* summaries = scratch + capacity * words;
+  int* warp_counts = reinterpret_cast<int*>(summaries + capacity * rounds);
+  for (int w = zeroed * words + threadIdx.x; w < count * words; w += blockDim.x) scratch[w] = 0u;
+  // Every segment's first entries are loaded before any bit is set, so their round trips
+  // overlap; the rest (segments longer than the block) after.
+  int v[ORDER_GROUP_MAX];
+#pragma unroll
+  for (int g = 0; g < ORDER_GROUP_MAX; ++g)
+    v[g] = g < count && (int)threadIdx.x < n[g] ? __ldcg(seg[g] + threadIdx.x) : p.numel;
+  if (zeroed < count) __syncthreads();  // the zeroes stored before any bit is set
+#pragma unroll
+  for (int g = 0; g < ORDER_GROUP_MAX; ++g) {
+    if (g >= count) break;
+    unsigned* bits = scratch + g * words;
+    if (v[g] < p.numel) atomicOr(bits + (v[g] >> 5), 1u << (v[g] & 31));
+    for (int i = threadIdx.x + blockDim.x; i < n[g]; i += blockDim.x) {
+      const int u = __ldcg(seg[g] + i);
+      if (u < p.numel) atomicOr(bits + (u >> 5), 1u << (u & 31));
+    }
+  }
+  __syncthreads();  // every route read before any is rewritten
+  const int per = (rounds + nwarps - 1) / nwarps;
+  const int r0 = min(rounds, warp * per), r1 = min(rounds, r0 + per);
+  // A warp counts each bitmap's routes in its rounds and notes which words hold any.
+#pragma unroll
+  for (int g = 0; g < ORDER_GROUP_MAX; ++g) {
+    if (g >= count) break;
+    int c = 0;
+    for (int r = r0; r < r1; ++r) {
+      const unsigned word = scratch[g * words + (r << 5) + lane];
+      c += __popc(word);
+      const unsigned nonzero = __ballot_sync(MLA_FULL_MASK, word != 0u);
+      if (lane == 0) summaries[g * rounds + r] = nonzero;
+    }
+    c = warp_inclusive_sum(c);
+    if (lane == 31) warp_counts[g * 32 + warp] = c;
+  }
+  __syncthreads();
+  if (warp < count) {  // warp g: bitmap g's exclusive prefix over the warps
+    const int c = lane < nwarps ? warp_counts[warp * 32 + lane] : 0;
+    const int x = warp_inclusive_sum(c);
+    warp_counts[warp * 32 + lane] = x - c;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int g = 0; g < ORDER_GROUP_MAX; ++g) {
+    if (g >= count) break;
+    unsigned* bits = scratch + g * words;
+    int at = warp_counts[g * 32 + warp];
+    for (int r = r0; r < r1; ++r) {
+      if (summaries[g * rounds + r] == 0u) continue;  // the same on every lane
+      unsigned word = bits[(r << 5) + lane];
+      const int mine = __popc(word), x = warp_inclusive_sum(mine);
+      int k = at + x - mine;
+      for (; word != 0u; word &= word - 1u)
+        seg[g][k++] = (((r << 5) + lane) << 5) + __ffs(word) - 1;
+      bits[(r << 5) + lane] = 0u;
+      at += __shfl_sync(MLA_FULL_MASK, x, 31);
+    }
+  }
+  __syncthreads();  // the bitmaps zeroed again, and the counts read, before the next segments
+}
+
 // Sort the segment of every bucket dealt to `block` of `blocks`: in rounds, warp w takes
 // bucket (round * 32 + w) * blocks + block and sorts it if it is short; the block then sorts
 // the round's long ones. `starts`: the segment starts (shared or global memory); `scratch`:
@@ -196,7 +284,8 @@ __device__ void order_segments(const Problem& p, const int* starts, int block, i
   };
   unsigned* bits = reinterpret_cast<unsigned*>(scratch);
   unsigned* summary = bits + 32 * ((p.numel + 1023) >> 10);  // whole rounds of 32 words
-  bool zeroed = false;
+  const int group_max = order_bitmaps_fit(p.numel);
+  int zeroed = 0;  // how many of the scratch's first bitmaps are zero
   int turn = 0;
   MLA_STAMP(5, 0);
   for (int first = 0; first < nb; first += blocks * nwarps, turn ^= 1) {
@@ -218,7 +307,33 @@ __device__ void order_segments(const Problem& p, const int* starts, int block, i
     for (int j = 0; j < longs; ++j) {
       int n;
       int* seg = segment(long_bucket[j], &n);
-      if (n <= ORDER_DIGITS_MAX && p.numel > ORDER_BITMAP_ALL_MAX) {
+      if (group_max > 0 && n <= ORDER_DIGITS_MAX) {
+        // this segment and the next ones that fit, each through a bitmap, at once
+        int* group[ORDER_GROUP_MAX];
+        int sizes[ORDER_GROUP_MAX], count = 1, total = n;
+        group[0] = seg;
+        sizes[0] = n;
+#pragma unroll
+        for (int g = 1; g < ORDER_GROUP_MAX; ++g) {
+          group[g] = seg;
+          sizes[g] = 0;
+          if (g < group_max && count == g && j + g < longs) {
+            int m;
+            int* next = segment(long_bucket[j + g], &m);
+            if (total + m <= ORDER_DIGITS_MAX) {
+              group[g] = next;
+              sizes[g] = m;
+              total += m;
+              ++count;
+            }
+          }
+        }
+        __syncthreads();  // the previous segment done with the shared memory
+        sort_by_bitmaps(p, group, sizes, count, group_max, zeroed, bits);
+        MLA_STAMP(5, 4);
+        zeroed = max(zeroed, count);
+        j += count - 1;
+      } else if (n <= ORDER_DIGITS_MAX) {
         int v[ORDER_BLOCK_ITEMS];
 #pragma unroll
         for (int k = 0; k < ORDER_BLOCK_ITEMS; ++k) {
@@ -229,17 +344,17 @@ __device__ void order_segments(const Problem& p, const int* starts, int block, i
         __syncthreads();  // the previous segment done with the shared memory
         sort_by_digits(seg, v, n, p.numel, scratch);
         MLA_STAMP(5, 3);
-        zeroed = false;  // the bitmap's memory was the staging area
+        zeroed = 0;  // the bitmaps' memory was the staging area
       } else {
         __syncthreads();  // the previous segment done with the shared memory
-        if (!zeroed) {
+        if (zeroed == 0) {
           const int words = 32 * ((p.numel + 1023) >> 10);  // the summary needs no zeros
           for (int w = threadIdx.x; w < words; w += blockDim.x) bits[w] = 0u;
           __syncthreads();
-          zeroed = true;
         }
         sort_by_bitmap(p, seg, n, bits, summary, warp_sums);
         MLA_STAMP(5, 4);
+        zeroed = 1;  // its summary took the second bitmap's first words
       }
     }
   }
