@@ -180,13 +180,14 @@ __device__ void sort_by_bitmap(const Problem& p, int* seg, int n, unsigned* bits
   __syncthreads();  // the bitmap zeroed again, and warp_sums free, before the next segment
 }
 
-// How many bitmaps of the numel route indices, with their summaries and a warp count of each
-// a warp, the sort's scratch holds (order_scratch_bytes: at least the digit sort's
-// 2 * ORDER_DIGITS_MAX + 33 words); at most ORDER_GROUP_MAX, and 0 past ORDER_BITMAP_ALL_MAX.
+// How many bitmaps of the numel route indices, with their summaries and a count a warp of
+// each, the sort's scratch holds (order_scratch_bytes: the digit sort's 2 * ORDER_DIGITS_MAX
+// + 33 words, or two such bitmaps where larger); at most ORDER_GROUP_MAX, and 0 past
+// ORDER_BITMAP_ALL_MAX.
 __device__ __forceinline__ int order_bitmaps_fit(int numel) {
   if (numel > ORDER_BITMAP_ALL_MAX) return 0;
-  const int rounds = max(1, (numel + 1023) >> 10);
-  return min(ORDER_GROUP_MAX, (2 * ORDER_DIGITS_MAX + 33) / (33 * rounds + 32));
+  const int rounds = max(1, (numel + 1023) >> 10), each = 33 * rounds + 32;
+  return min(ORDER_GROUP_MAX, max(2 * ORDER_DIGITS_MAX + 33, 2 * each) / each);
 }
 
 // Sort the routes at the front of the `count` segments seg[g][0, n[g]) (count <=
