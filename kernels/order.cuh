@@ -18,8 +18,9 @@
 // counting sort on digits of the route indices, whose cost follows the segment's length.
 // Buckets are dealt to warps and blocks round-robin, so the work spreads over every SM.
 // Dynamic shared memory, the larger of: the digit sort's vals[ORDER_DIGITS_MAX] |
-// start[ORDER_DIGITS_MAX + 1] | scan sums[32], and the bitmap
-// bits[32 * ceil(numel / 1024)] (whole summary words' worth) | summary[ceil(numel / 1024)].
+// start[ORDER_DIGITS_MAX + 1] | scan sums[32], and the bitmaps (order_bitmaps_fit) of
+// 32 * ceil(numel / 1024) words each (whole summary words' worth), then their summaries of
+// ceil(numel / 1024) words and a count a warp.
 #define ORDER_ITEMS 4                     // entries a lane holds in the warps' sort
 #define ORDER_WARP_MAX (32 * ORDER_ITEMS)
 #define ORDER_DIGITS_MAX 4096             // entries a block sorts by digits; more: by the bitmap
@@ -138,65 +139,25 @@ __device__ void sort_by_digits(int* seg, const int (&v)[ORDER_BLOCK_ITEMS], int 
   }
 }
 
-// Sort the routes at the front of seg[0, n) (n more than ORDER_DIGITS_MAX; the sentinels
-// stay behind them) by the whole block, through the zeroed bitmap `bits` of the numel route
-// indices (zeroed again on the way out) and its `summary` (a bit a word of it). Each warp
-// reads back a contiguous run of the bitmap 32 words (one summary word) at a time, skipping
-// empty ones. Every thread calls it.
-__device__ void sort_by_bitmap(const Problem& p, int* seg, int n, unsigned* bits,
-                               unsigned* summary, int* warp_sums) {
-  for (int i = threadIdx.x; i < n; i += blockDim.x) {
-    const int v = __ldcg(seg + i);
-    if (v < p.numel) atomicOr(bits + (v >> 5), 1u << (v & 31));
-  }
-  __syncthreads();  // every route read before any is rewritten
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  const int rounds = (p.numel + 1023) >> 10;
-  const int per = (rounds + nwarps - 1) / nwarps;
-  const int r0 = min(rounds, warp * per), r1 = min(rounds, r0 + per);
-  // The warp counts its rounds' routes and notes which of their words hold any (a summary
-  // word a round, written by the warp that reads it; built here, not by an atomic a route:
-  // a segment's routes crowd a few summary words, and those atomics serialised).
-  int count = 0;
-  for (int r = r0; r < r1; ++r) {
-    const unsigned word = bits[(r << 5) + lane];
-    count += __popc(word);
-    const unsigned nonzero = __ballot_sync(MLA_FULL_MASK, word != 0u);
-    if (lane == 0) summary[r] = nonzero;
-  }
-  __syncwarp();
-  int at = thread_prefix(count, warp_sums);
-  __syncthreads();  // warp_sums free again
-  at = __shfl_sync(MLA_FULL_MASK, at, 0);  // the warp's first position
-  for (int r = r0; r < r1; ++r) {
-    if (summary[r] == 0u) continue;  // the same on every lane
-    unsigned word = bits[(r << 5) + lane];
-    const int mine = __popc(word), x = warp_inclusive_sum(mine);
-    int k = at + x - mine;
-    for (; word != 0u; word &= word - 1u) seg[k++] = (((r << 5) + lane) << 5) + __ffs(word) - 1;
-    bits[(r << 5) + lane] = 0u;
-    at += __shfl_sync(MLA_FULL_MASK, x, 31);
-  }
-  __syncthreads();  // the bitmap zeroed again, and warp_sums free, before the next segment
-}
-
 // How many bitmaps of the numel route indices, with their summaries and a count a warp of
 // each, the sort's scratch holds (order_scratch_bytes: the digit sort's 2 * ORDER_DIGITS_MAX
-// + 33 words, or two such bitmaps where larger); at most ORDER_GROUP_MAX, and 0 past
-// ORDER_BITMAP_ALL_MAX.
+// + 33 words, or one such bitmap, or up to ORDER_BITMAP_ALL_MAX routes two, where larger); at
+// most ORDER_GROUP_MAX, and one past ORDER_BITMAP_ALL_MAX (where only segments past
+// ORDER_DIGITS_MAX take the bitmap, one at a time).
 __device__ __forceinline__ int order_bitmaps_fit(int numel) {
-  if (numel > ORDER_BITMAP_ALL_MAX) return 0;
   const int rounds = max(1, (numel + 1023) >> 10), each = 33 * rounds + 32;
+  if (numel > ORDER_BITMAP_ALL_MAX) return 1;
   return min(ORDER_GROUP_MAX, max(2 * ORDER_DIGITS_MAX + 33, 2 * each) / each);
 }
 
 // Sort the routes at the front of the `count` segments seg[g][0, n[g]) (count <=
-// ORDER_GROUP_MAX, their entries at most ORDER_DIGITS_MAX in all; the sentinels stay behind
-// the routes) at once by the whole block, each through a bitmap of its own as sort_by_bitmap
-// does, so that the barriers are paid once. `scratch` holds `capacity` (order_bitmaps_fit)
-// bitmaps of 32 * rounds words, the first `zeroed` of them zero (the first `count` are zero
-// again on the way out), then at fixed places past them a summary of rounds words and a
-// count a warp (32 words) for each. Every thread calls it.
+// ORDER_GROUP_MAX; the sentinels stay behind the routes) at once by the whole block, each
+// through a bitmap of its route indices, so that the barriers are paid once. Each warp reads
+// back a contiguous run of a bitmap 32 words (one summary word) at a time, skipping empty
+// ones. `scratch` holds `capacity` (order_bitmaps_fit) bitmaps of 32 * rounds words, the
+// first `zeroed` of them zero (the first `count` are zero again on the way out), then at fixed
+// places past them a summary of rounds words and a count a warp (32 words) for each. Every
+// thread calls it.
 __device__ void sort_by_bitmaps(const Problem& p, int* const (&seg)[ORDER_GROUP_MAX],
                                 const int (&n)[ORDER_GROUP_MAX], int count, int capacity,
                                 int zeroed, unsigned* scratch) {
@@ -225,7 +186,9 @@ __device__ void sort_by_bitmaps(const Problem& p, int* const (&seg)[ORDER_GROUP_
   __syncthreads();  // every route read before any is rewritten
   const int per = (rounds + nwarps - 1) / nwarps;
   const int r0 = min(rounds, warp * per), r1 = min(rounds, r0 + per);
-  // A warp counts each bitmap's routes in its rounds and notes which words hold any.
+  // A warp counts each bitmap's routes in its rounds and notes which words hold any (a
+  // summary word a round, written by the warp that reads it; built here, not by an atomic a
+  // route: a segment's routes crowd a few summary words, and those atomics serialised).
 #pragma unroll
   for (int g = 0; g < ORDER_GROUP_MAX; ++g) {
     if (g >= count) break;
@@ -270,7 +233,7 @@ __device__ void sort_by_bitmaps(const Problem& p, int* const (&seg)[ORDER_GROUP_
 // the round's long ones. `starts`: the segment starts (shared or global memory); `scratch`:
 // the sort's shared memory (order_scratch_bytes). Every thread calls it.
 __device__ void order_segments(const Problem& p, const int* starts, int block, int blocks,
-                               int* scratch, int* warp_sums) {
+                               int* scratch) {
   // The round's long segments, by bucket; their count in turn in num_long[round & 1]: a round
   // without long segments has no barrier after the count is read, so the next round's reset
   // must not hit the word a slow thread may still read.
@@ -284,7 +247,6 @@ __device__ void order_segments(const Problem& p, const int* starts, int block, i
     return p.sorted_ids + (long long)r * p.sorted_pitch + (s0 - row_start);
   };
   unsigned* bits = reinterpret_cast<unsigned*>(scratch);
-  unsigned* summary = bits + 32 * ((p.numel + 1023) >> 10);  // whole rounds of 32 words
   const int group_max = order_bitmaps_fit(p.numel);
   int zeroed = 0;  // how many of the scratch's first bitmaps are zero
   int turn = 0;
@@ -308,8 +270,21 @@ __device__ void order_segments(const Problem& p, const int* starts, int block, i
     for (int j = 0; j < longs; ++j) {
       int n;
       int* seg = segment(long_bucket[j], &n);
-      if (group_max > 0 && n <= ORDER_DIGITS_MAX) {
-        // this segment and the next ones that fit, each through a bitmap, at once
+      if (n <= ORDER_DIGITS_MAX && p.numel > ORDER_BITMAP_ALL_MAX) {
+        int v[ORDER_BLOCK_ITEMS];
+#pragma unroll
+        for (int k = 0; k < ORDER_BLOCK_ITEMS; ++k) {
+          const int i = k * blockDim.x + threadIdx.x;
+          v[k] = i < n ? __ldcg(seg + i) : p.numel;
+        }
+        MLA_STAMP(5, 6);
+        __syncthreads();  // the previous segment done with the shared memory
+        sort_by_digits(seg, v, n, p.numel, scratch);
+        MLA_STAMP(5, 3);
+        zeroed = 0;  // the bitmaps' memory was the staging area
+      } else {
+        // this segment and the next ones that fit, each through a bitmap, at once (one past
+        // ORDER_DIGITS_MAX entries goes alone)
         int* group[ORDER_GROUP_MAX];
         int sizes[ORDER_GROUP_MAX], count = 1, total = n;
         group[0] = seg;
@@ -334,28 +309,6 @@ __device__ void order_segments(const Problem& p, const int* starts, int block, i
         MLA_STAMP(5, 4);
         zeroed = max(zeroed, count);
         j += count - 1;
-      } else if (n <= ORDER_DIGITS_MAX) {
-        int v[ORDER_BLOCK_ITEMS];
-#pragma unroll
-        for (int k = 0; k < ORDER_BLOCK_ITEMS; ++k) {
-          const int i = k * blockDim.x + threadIdx.x;
-          v[k] = i < n ? __ldcg(seg + i) : p.numel;
-        }
-        MLA_STAMP(5, 6);
-        __syncthreads();  // the previous segment done with the shared memory
-        sort_by_digits(seg, v, n, p.numel, scratch);
-        MLA_STAMP(5, 3);
-        zeroed = 0;  // the bitmaps' memory was the staging area
-      } else {
-        __syncthreads();  // the previous segment done with the shared memory
-        if (zeroed == 0) {
-          const int words = 32 * ((p.numel + 1023) >> 10);  // the summary needs no zeros
-          for (int w = threadIdx.x; w < words; w += blockDim.x) bits[w] = 0u;
-          __syncthreads();
-        }
-        sort_by_bitmap(p, seg, n, bits, summary, warp_sums);
-        MLA_STAMP(5, 4);
-        zeroed = 1;  // its summary took the second bitmap's first words
       }
     }
   }
@@ -365,9 +318,7 @@ __device__ void order_segments(const Problem& p, const int* starts, int block, i
 // left in p.starts, a bucket a warp (gridDim * 32 >= nb by the dispatcher, else rounds).
 template <typename IdT>
 __global__ void __launch_bounds__(1024) align_order(const Problem p) {
-  __shared__ int warp_sums[32];
-  order_segments(p, p.starts, blockIdx.x, gridDim.x, reinterpret_cast<int*>(dynamic_smem),
-                 warp_sums);
+  order_segments(p, p.starts, blockIdx.x, gridDim.x, reinterpret_cast<int*>(dynamic_smem));
 #ifdef MLA_PROBE
   __syncthreads();
   MLA_STAMP(5, 5);

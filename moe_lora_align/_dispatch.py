@@ -355,13 +355,12 @@ def smem_cluster(num_buckets: int, rows: int, deterministic: bool = False,
 def order_scratch_bytes(numel: int) -> int:
     """The segment sort's shared memory (order.cuh: align_order, and the cooperative kernel's
     deterministic mode): the largest of its digit sort's staging (routes, digit starts, scan
-    sums), the bitmap of the route indices (a bit a route, in whole 32-word rounds) with its
-    summary (a bit a word of it), and up to ORDER_BITMAP_ALL_MAX routes two such bitmaps
-    with a count a warp each, which the block sorts at once (order_bitmaps_fit)."""
-    rounds = max(1, _ceil_div(numel, 1024))
+    sums), and the bitmap of the route indices (a bit a route, in whole 32-word rounds) with
+    its summary (a bit a word of it) and a count a warp, two of them up to
+    ORDER_BITMAP_ALL_MAX routes, which the block sorts at once (order_bitmaps_fit)."""
+    bitmap = 4 * (33 * max(1, _ceil_div(numel, 1024)) + 32)
     digits = 4 * (2 * ORDER_DIGITS_MAX + 1 + 32)
-    grouped = 4 * 2 * (33 * rounds + 32) if numel <= ORDER_BITMAP_ALL_MAX else 0
-    return max(digits, 4 * 33 * rounds, grouped)
+    return max(digits, 2 * bitmap if numel <= ORDER_BITMAP_ALL_MAX else bitmap)
 
 
 def order_grid(num_buckets: int, limits: DeviceLimits) -> int:
