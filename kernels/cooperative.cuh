@@ -224,7 +224,7 @@ __device__ __forceinline__ void align_cooperatively(const Problem& p, int block,
   if (DET == COOP_SORTED) {
     MLA_STAMP(3, 6);
     blocks_barrier(ctrl + 4 + parity, arrivals + (unsigned)blocks);
-    order_segments(p, starts, block, blocks, value, warp_sums);
+    order_segments(p, starts, block, blocks, value);
 #ifdef MLA_PROBE
     __syncthreads();
     MLA_STAMP(5, 5);

@@ -11,18 +11,31 @@
 // needs per-block counts of every bucket prefixed across blocks.
 //
 // Warps sort the segments of at most ORDER_WARP_MAX entries in registers (bitonic networks
-// across the lanes, a column of 32 entries each). A block sorts each longer one: up to
-// ORDER_DIGITS_MAX entries by a counting sort on digits of the route indices, more through a
+// across the lanes, a column of 32 entries each). A block sorts each longer one through a
 // bitmap of the numel route indices with a summary bit for every nonzero word of it (reading
-// it back costs numel / 1024 and the routes).
+// it back costs each warp numel / 32768 rounds and its routes), except where numel is past
+// ORDER_BITMAP_ALL_MAX and the segment holds at most ORDER_DIGITS_MAX entries: those take a
+// counting sort on digits of the route indices, whose cost follows the segment's length.
 // Buckets are dealt to warps and blocks round-robin, so the work spreads over every SM.
 // Dynamic shared memory, the larger of: the digit sort's vals[ORDER_DIGITS_MAX] |
-// start[ORDER_DIGITS_MAX + 1] | scan sums[32], and the bitmap
-// bits[32 * ceil(numel / 1024)] (whole summary words' worth) | summary[ceil(numel / 1024)].
+// start[ORDER_DIGITS_MAX + 1] | scan sums[32], and the bitmaps (order_bitmaps_fit) of
+// 32 * ceil(numel / 1024) words each (whole summary words' worth), then their summaries of
+// ceil(numel / 1024) words and a count a warp.
 #define ORDER_ITEMS 4                     // entries a lane holds in the warps' sort
 #define ORDER_WARP_MAX (32 * ORDER_ITEMS)
 #define ORDER_DIGITS_MAX 4096             // entries a block sorts by digits; more: by the bitmap
 #define ORDER_BLOCK_ITEMS 4               // entries a thread of a block holds: ORDER_DIGITS_MAX / 1024
+// The most route indices for which the bitmap sorts every long segment: each warp of 1024
+// threads then reads back at most 4 rounds of it. The digit sort took 4200 cycles a segment
+// of 300 to 400 entries and 6000 at 1660 (r54's stamps: about ten barriers and a scan of up
+// to 4096 digits); the bitmap has five barriers and a scan of 32 warp counts.
+#ifndef ORDER_BITMAP_ALL_MAX
+#define ORDER_BITMAP_ALL_MAX 131072
+#endif
+// The most long segments of a round a block sorts at once, a bitmap each, where their
+// bitmaps fit the sort's scratch (order_bitmaps_fit) and they hold ORDER_DIGITS_MAX entries in
+// all: one set of barriers for them all (skewed routing deals two or three to some blocks).
+#define ORDER_GROUP_MAX 4
 
 // x sorted ascending across the warp's lanes (lane l ends with the l-th smallest), by a
 // bitonic network of shuffles. Every lane calls it.
@@ -126,46 +139,93 @@ __device__ void sort_by_digits(int* seg, const int (&v)[ORDER_BLOCK_ITEMS], int 
   }
 }
 
-// Sort the routes at the front of seg[0, n) (n more than ORDER_DIGITS_MAX; the sentinels
-// stay behind them) by the whole block, through the zeroed bitmap `bits` of the numel route
-// indices (zeroed again on the way out) and its `summary` (a bit a word of it). Each warp
-// reads back a contiguous run of the bitmap 32 words (one summary word) at a time, skipping
-// empty ones. Every thread calls it.
-__device__ void sort_by_bitmap(const Problem& p, int* seg, int n, unsigned* bits,
-                               unsigned* summary, int* warp_sums) {
-  for (int i = threadIdx.x; i < n; i += blockDim.x) {
-    const int v = __ldcg(seg + i);
-    if (v < p.numel) atomicOr(bits + (v >> 5), 1u << (v & 31));
+// How many bitmaps of the numel route indices, with their summaries and a count a warp of
+// each, the sort's scratch holds (order_scratch_bytes: the digit sort's 2 * ORDER_DIGITS_MAX
+// + 33 words, or one such bitmap, or up to ORDER_BITMAP_ALL_MAX routes two, where larger); at
+// most ORDER_GROUP_MAX, and one past ORDER_BITMAP_ALL_MAX (where only segments past
+// ORDER_DIGITS_MAX take the bitmap, one at a time).
+__device__ __forceinline__ int order_bitmaps_fit(int numel) {
+  const int rounds = max(1, (numel + 1023) >> 10), each = 33 * rounds + 32;
+  if (numel > ORDER_BITMAP_ALL_MAX) return 1;
+  return min(ORDER_GROUP_MAX, max(2 * ORDER_DIGITS_MAX + 33, 2 * each) / each);
+}
+
+// Sort the routes at the front of the `count` segments seg[g][0, n[g]) (count <=
+// ORDER_GROUP_MAX; the sentinels stay behind the routes) at once by the whole block, each
+// through a bitmap of its route indices, so that the barriers are paid once. Each warp reads
+// back a contiguous run of a bitmap 32 words (one summary word) at a time, skipping empty
+// ones. `scratch` holds `capacity` (order_bitmaps_fit) bitmaps of 32 * rounds words, the
+// first `zeroed` of them zero (the first `count` are zero again on the way out), then at fixed
+// places past them a summary of rounds words and a count a warp (32 words) for each. Every
+// thread calls it.
+__device__ void sort_by_bitmaps(const Problem& p, int* const (&seg)[ORDER_GROUP_MAX],
+                                const int (&n)[ORDER_GROUP_MAX], int count, int capacity,
+                                int zeroed, unsigned* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const int rounds = max(1, (p.numel + 1023) >> 10), words = 32 * rounds;
+  unsigned* summaries = scratch + capacity * words;
+  int* warp_counts = reinterpret_cast<int*>(summaries + capacity * rounds);
+  for (int w = zeroed * words + threadIdx.x; w < count * words; w += blockDim.x) scratch[w] = 0u;
+  // Every segment's first entries are loaded before any bit is set, so their round trips
+  // overlap; the rest (segments longer than the block) after.
+  int v[ORDER_GROUP_MAX];
+#pragma unroll
+  for (int g = 0; g < ORDER_GROUP_MAX; ++g)
+    v[g] = g < count && (int)threadIdx.x < n[g] ? __ldcg(seg[g] + threadIdx.x) : p.numel;
+  if (zeroed < count) __syncthreads();  // the zeroes stored before any bit is set
+#pragma unroll
+  for (int g = 0; g < ORDER_GROUP_MAX; ++g) {
+    if (g >= count) break;
+    unsigned* bits = scratch + g * words;
+    if (v[g] < p.numel) atomicOr(bits + (v[g] >> 5), 1u << (v[g] & 31));
+    for (int i = threadIdx.x + blockDim.x; i < n[g]; i += blockDim.x) {
+      const int u = __ldcg(seg[g] + i);
+      if (u < p.numel) atomicOr(bits + (u >> 5), 1u << (u & 31));
+    }
   }
   __syncthreads();  // every route read before any is rewritten
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  const int rounds = (p.numel + 1023) >> 10;
   const int per = (rounds + nwarps - 1) / nwarps;
   const int r0 = min(rounds, warp * per), r1 = min(rounds, r0 + per);
-  // The warp counts its rounds' routes and notes which of their words hold any (a summary
-  // word a round, written by the warp that reads it; built here, not by an atomic a route:
-  // a segment's routes crowd a few summary words, and those atomics serialised).
-  int count = 0;
-  for (int r = r0; r < r1; ++r) {
-    const unsigned word = bits[(r << 5) + lane];
-    count += __popc(word);
-    const unsigned nonzero = __ballot_sync(MLA_FULL_MASK, word != 0u);
-    if (lane == 0) summary[r] = nonzero;
+  // A warp counts each bitmap's routes in its rounds and notes which words hold any (a
+  // summary word a round, written by the warp that reads it; built here, not by an atomic a
+  // route: a segment's routes crowd a few summary words, and those atomics serialised).
+#pragma unroll
+  for (int g = 0; g < ORDER_GROUP_MAX; ++g) {
+    if (g >= count) break;
+    int c = 0;
+    for (int r = r0; r < r1; ++r) {
+      const unsigned word = scratch[g * words + (r << 5) + lane];
+      c += __popc(word);
+      const unsigned nonzero = __ballot_sync(MLA_FULL_MASK, word != 0u);
+      if (lane == 0) summaries[g * rounds + r] = nonzero;
+    }
+    c = warp_inclusive_sum(c);
+    if (lane == 31) warp_counts[g * 32 + warp] = c;
   }
-  __syncwarp();
-  int at = thread_prefix(count, warp_sums);
-  __syncthreads();  // warp_sums free again
-  at = __shfl_sync(MLA_FULL_MASK, at, 0);  // the warp's first position
-  for (int r = r0; r < r1; ++r) {
-    if (summary[r] == 0u) continue;  // the same on every lane
-    unsigned word = bits[(r << 5) + lane];
-    const int mine = __popc(word), x = warp_inclusive_sum(mine);
-    int k = at + x - mine;
-    for (; word != 0u; word &= word - 1u) seg[k++] = (((r << 5) + lane) << 5) + __ffs(word) - 1;
-    bits[(r << 5) + lane] = 0u;
-    at += __shfl_sync(MLA_FULL_MASK, x, 31);
+  __syncthreads();
+  if (warp < count) {  // warp g: bitmap g's exclusive prefix over the warps
+    const int c = lane < nwarps ? warp_counts[warp * 32 + lane] : 0;
+    const int x = warp_inclusive_sum(c);
+    warp_counts[warp * 32 + lane] = x - c;
   }
-  __syncthreads();  // the bitmap zeroed again, and warp_sums free, before the next segment
+  __syncthreads();
+#pragma unroll
+  for (int g = 0; g < ORDER_GROUP_MAX; ++g) {
+    if (g >= count) break;
+    unsigned* bits = scratch + g * words;
+    int at = warp_counts[g * 32 + warp];
+    for (int r = r0; r < r1; ++r) {
+      if (summaries[g * rounds + r] == 0u) continue;  // the same on every lane
+      unsigned word = bits[(r << 5) + lane];
+      const int mine = __popc(word), x = warp_inclusive_sum(mine);
+      int k = at + x - mine;
+      for (; word != 0u; word &= word - 1u)
+        seg[g][k++] = (((r << 5) + lane) << 5) + __ffs(word) - 1;
+      bits[(r << 5) + lane] = 0u;
+      at += __shfl_sync(MLA_FULL_MASK, x, 31);
+    }
+  }
+  __syncthreads();  // the bitmaps zeroed again, and the counts read, before the next segments
 }
 
 // Sort the segment of every bucket dealt to `block` of `blocks`: in rounds, warp w takes
@@ -173,7 +233,7 @@ __device__ void sort_by_bitmap(const Problem& p, int* seg, int n, unsigned* bits
 // the round's long ones. `starts`: the segment starts (shared or global memory); `scratch`:
 // the sort's shared memory (order_scratch_bytes). Every thread calls it.
 __device__ void order_segments(const Problem& p, const int* starts, int block, int blocks,
-                               int* scratch, int* warp_sums) {
+                               int* scratch) {
   // The round's long segments, by bucket; their count in turn in num_long[round & 1]: a round
   // without long segments has no barrier after the count is read, so the next round's reset
   // must not hit the word a slow thread may still read.
@@ -187,8 +247,8 @@ __device__ void order_segments(const Problem& p, const int* starts, int block, i
     return p.sorted_ids + (long long)r * p.sorted_pitch + (s0 - row_start);
   };
   unsigned* bits = reinterpret_cast<unsigned*>(scratch);
-  unsigned* summary = bits + 32 * ((p.numel + 1023) >> 10);  // whole rounds of 32 words
-  bool zeroed = false;
+  const int group_max = order_bitmaps_fit(p.numel);
+  int zeroed = 0;  // how many of the scratch's first bitmaps are zero
   int turn = 0;
   MLA_STAMP(5, 0);
   for (int first = 0; first < nb; first += blocks * nwarps, turn ^= 1) {
@@ -210,7 +270,7 @@ __device__ void order_segments(const Problem& p, const int* starts, int block, i
     for (int j = 0; j < longs; ++j) {
       int n;
       int* seg = segment(long_bucket[j], &n);
-      if (n <= ORDER_DIGITS_MAX) {
+      if (n <= ORDER_DIGITS_MAX && p.numel > ORDER_BITMAP_ALL_MAX) {
         int v[ORDER_BLOCK_ITEMS];
 #pragma unroll
         for (int k = 0; k < ORDER_BLOCK_ITEMS; ++k) {
@@ -221,17 +281,34 @@ __device__ void order_segments(const Problem& p, const int* starts, int block, i
         __syncthreads();  // the previous segment done with the shared memory
         sort_by_digits(seg, v, n, p.numel, scratch);
         MLA_STAMP(5, 3);
-        zeroed = false;  // the bitmap's memory was the staging area
+        zeroed = 0;  // the bitmaps' memory was the staging area
       } else {
-        __syncthreads();  // the previous segment done with the shared memory
-        if (!zeroed) {
-          const int words = 32 * ((p.numel + 1023) >> 10);  // the summary needs no zeros
-          for (int w = threadIdx.x; w < words; w += blockDim.x) bits[w] = 0u;
-          __syncthreads();
-          zeroed = true;
+        // this segment and the next ones that fit, each through a bitmap, at once (one past
+        // ORDER_DIGITS_MAX entries goes alone)
+        int* group[ORDER_GROUP_MAX];
+        int sizes[ORDER_GROUP_MAX], count = 1, total = n;
+        group[0] = seg;
+        sizes[0] = n;
+#pragma unroll
+        for (int g = 1; g < ORDER_GROUP_MAX; ++g) {
+          group[g] = seg;
+          sizes[g] = 0;
+          if (g < group_max && count == g && j + g < longs) {
+            int m;
+            int* next = segment(long_bucket[j + g], &m);
+            if (total + m <= ORDER_DIGITS_MAX) {
+              group[g] = next;
+              sizes[g] = m;
+              total += m;
+              ++count;
+            }
+          }
         }
-        sort_by_bitmap(p, seg, n, bits, summary, warp_sums);
+        __syncthreads();  // the previous segment done with the shared memory
+        sort_by_bitmaps(p, group, sizes, count, group_max, zeroed, bits);
         MLA_STAMP(5, 4);
+        zeroed = max(zeroed, count);
+        j += count - 1;
       }
     }
   }
@@ -241,9 +318,7 @@ __device__ void order_segments(const Problem& p, const int* starts, int block, i
 // left in p.starts, a bucket a warp (gridDim * 32 >= nb by the dispatcher, else rounds).
 template <typename IdT>
 __global__ void __launch_bounds__(1024) align_order(const Problem p) {
-  __shared__ int warp_sums[32];
-  order_segments(p, p.starts, blockIdx.x, gridDim.x, reinterpret_cast<int*>(dynamic_smem),
-                 warp_sums);
+  order_segments(p, p.starts, blockIdx.x, gridDim.x, reinterpret_cast<int*>(dynamic_smem));
 #ifdef MLA_PROBE
   __syncthreads();
   MLA_STAMP(5, 5);

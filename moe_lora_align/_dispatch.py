@@ -29,6 +29,9 @@ CLUSTER_ITEMS = 8             # CLUSTER_ITEMS: align_cluster's routes a thread, 
 ORDER_ITEMS = 4               # ORDER_ITEMS: entries a lane holds in the segment sort's warps
 ORDER_WARP_MAX = 32 * ORDER_ITEMS  # segments up to this long are sorted by a warp
 ORDER_DIGITS_MAX = 4096       # ORDER_DIGITS_MAX: segment entries a block sorts by digits
+ORDER_BITMAP_ALL_MAX = 131072  # ORDER_BITMAP_ALL_MAX: up to this many routes the bitmap sorts
+                              #   every long segment; past it the digits take those of up
+                              #   to ORDER_DIGITS_MAX entries
 SINGLE_BLOCK_MAX_ROUTES = BLOCK * ITEMS_PER_THREAD
 WARP_COUNTER_MAX = 65535      # unsigned short per-warp counters bound a deterministic chunk
 SMEM_SLACK = 512              # bytes of a block's shared memory kept for the kernels' static
@@ -351,11 +354,13 @@ def smem_cluster(num_buckets: int, rows: int, deterministic: bool = False,
 
 def order_scratch_bytes(numel: int) -> int:
     """The segment sort's shared memory (order.cuh: align_order, and the cooperative kernel's
-    deterministic mode): the larger of its digit sort's staging (routes, digit starts, scan
-    sums) and the bitmap of the route indices (a bit a route, in whole 32-word
-    rounds) with its summary (a bit a word of it)."""
+    deterministic mode): the largest of its digit sort's staging (routes, digit starts, scan
+    sums), and the bitmap of the route indices (a bit a route, in whole 32-word rounds) with
+    its summary (a bit a word of it) and a count a warp, two of them up to
+    ORDER_BITMAP_ALL_MAX routes, which the block sorts at once (order_bitmaps_fit)."""
+    bitmap = 4 * (33 * max(1, _ceil_div(numel, 1024)) + 32)
     digits = 4 * (2 * ORDER_DIGITS_MAX + 1 + 32)
-    return max(digits, 4 * 33 * max(1, _ceil_div(numel, 1024)))
+    return max(digits, 2 * bitmap if numel <= ORDER_BITMAP_ALL_MAX else bitmap)
 
 
 def order_grid(num_buckets: int, limits: DeviceLimits) -> int:

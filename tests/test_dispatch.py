@@ -856,6 +856,7 @@ def test_kernel_constants_match_the_cuda_source():
     defined = dict(re.findall(r"^#define (\w+) (\d+)", src, flags=re.M))
     for name in ("ITEMS_PER_THREAD", "TINY_ITEMS", "TINY_BUCKETS", "WARP_ROUTES", "COOP_ITEMS",
                  "CLUSTER_BLOCKS", "CLUSTER_ITEMS", "ORDER_ITEMS", "ORDER_DIGITS_MAX",
+                 "ORDER_BITMAP_ALL_MAX",
                  "MODE_SHARED", "MODE_GLOBAL", "MODE_DETERMINISTIC"):
         assert int(defined[name]) == getattr(d, name), name
 

@@ -258,13 +258,33 @@ def test_policy_paths(emu, T, E, rows, variant, policy, det):
          seeds=(0, 1))
 
 
+@pytest.fixture(scope="module")
+def emu_digits(tmp_path_factory):
+    """The kernels built with ORDER_BITMAP_ALL_MAX 0: the block sorts a long segment of up to
+    ORDER_DIGITS_MAX entries by digits, as past 131072 routes, where the emulator's cases
+    would take the bitmap."""
+    src = tmp_path_factory.mktemp("digits") / "kernels"
+    shutil.copytree(_kernels.kernel_dir(), src)
+    main = src / "align_kernels.cu"
+    main.write_text("#define ORDER_BITMAP_ALL_MAX 0\n" + main.read_text())
+    return emulator.Emulator(emulator.build(src))
+
+
+# The two ways a block sorts a long segment: the emulator's default build (its cases have far
+# fewer than ORDER_BITMAP_ALL_MAX routes: the bitmap) and emu_digits (the digits).
+BLOCK_SORTS = {"bitmap": "emu", "digits": "emu_digits"}
+
+
+@pytest.mark.parametrize("block_sort", BLOCK_SORTS)
 @pytest.mark.parametrize("variant", [None, "shared", "global", "cooperative"])
 @pytest.mark.parametrize("count", [1, 33, 70, _dispatch.ORDER_WARP_MAX - 1,
                                    _dispatch.ORDER_WARP_MAX, _dispatch.ORDER_WARP_MAX + 1, 1000,
                                    _dispatch.ORDER_DIGITS_MAX + 1])
-def test_sorted_segments_of_every_length(emu, count, variant):
+def test_sorted_segments_of_every_length(request, count, variant, block_sort):
     """One expert with ``count`` routes among 8192 (sorted by a warp: one column of lanes,
-    or up to four merged; by a block's digits, then by the bitmap), exact against NumPy."""
+    or up to four merged; else by the block: ``block_sort``, and past ORDER_DIGITS_MAX by
+    the bitmap in either build), exact against NumPy."""
+    emu = request.getfixturevalue(BLOCK_SORTS[block_sort])
     case = Case(1024, 8, 64, 16, seed=count)
     rng = np.random.default_rng(count)
     flat = case.ids.reshape(-1)
@@ -289,14 +309,17 @@ def test_long_segments_dealt_over_few_blocks(emu, E, rows, variant):
     assert launch.deterministic_output
 
 
+@pytest.mark.parametrize("block_sort", BLOCK_SORTS)
 @pytest.mark.parametrize("variant", [None, "global", "cooperative"])
 @pytest.mark.parametrize("hot,count", [(2, 1024), (2, 1025), (3, 672), (3, 683)])
-def test_long_segments_sharing_a_block_on_both_sides_of_2048(emu, hot, count, variant):
+def test_long_segments_sharing_a_block_on_both_sides_of_2048(request, hot, count, variant,
+                                                            block_sort):
     """``hot`` experts of ``count`` routes each, eight apart, among 2560: however the sort
     deals buckets (up to eight blocks), they share one block's round, so the long segments
     it holds (padded to B=16) total 2048 or 2016 entries, or 2080 or 2064: both sides of the
-    2048 up to which a block may sort them together (A/B line 54's candidate). Exact
-    against NumPy."""
+    2048 up to which a block may sort them together (A/B line 54's candidate); each by
+    ``block_sort``. Exact against NumPy."""
+    emu = request.getfixturevalue(BLOCK_SORTS[block_sort])
     case = Case(320, 8, 64, 16, seed=count)  # the other segments short: about 8 routes
     rng = np.random.default_rng(count)
     flat = case.ids.reshape(-1)
@@ -310,13 +333,15 @@ def test_long_segments_sharing_a_block_on_both_sides_of_2048(emu, hot, count, va
     assert launch.deterministic_output
 
 
+@pytest.mark.parametrize("block_sort", BLOCK_SORTS)
 @pytest.mark.parametrize("variant", [None, "global", "cooperative"])
 @pytest.mark.parametrize("hot", [(3, 40), (3, 7, 40, 44)])
-def test_hot_segments_among_short_ones(emu, hot, variant):
+def test_hot_segments_among_short_ones(request, hot, variant, block_sort):
     """LoRA of 4 slots, E=64: a third of the routes on the hot experts, so every slot has a
     few long segments among short ones, over two rounds of the sort (the emulator's 4 blocks
     take 128 buckets a round), dealt by bucket index: the hot segments of a round pile onto
-    two blocks. Exact against NumPy."""
+    two blocks; each by ``block_sort``. Exact against NumPy."""
+    emu = request.getfixturevalue(BLOCK_SORTS[block_sort])
     case = Case(1024, 8, 64, 16, rows=4, seed=len(hot))
     rng = np.random.default_rng(len(hot))
     flat = case.ids.reshape(-1)
@@ -926,8 +951,6 @@ def test_the_twice_probe_runs_align_tiny_twice_and_keeps_both_passes(tmp_path):
     align_tiny_staged run their alignment twice in the block; the outputs are one pass's,
     pass 1's stamps end in kernel slot 0 and pass 2's, later, in slot 1."""
     import ctypes
-    import shutil
-
     src = tmp_path / "kernels"
     shutil.copytree(_kernels.kernel_dir(), src)
     main = src / "align_kernels.cu"

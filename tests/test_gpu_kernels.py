@@ -813,7 +813,8 @@ def test_cluster_pair_is_fused(E, T, L, det):
 # Deterministic output by sorting each segment after the fast kernels: inside the
 # cooperative launch, or align_order after count + place. Segment lengths on both sides of the warps' limit
 # (ORDER_WARP_MAX, with and without padding inside the segment) and of the blocks' digit
-# sort (ORDER_DIGITS_MAX, then the bitmap), after each kernel it follows; values clustered
+# sort (the bitmap below ORDER_BITMAP_ALL_MAX routes, else ORDER_DIGITS_MAX by digits, then
+# the bitmap), after each kernel it follows; values clustered
 # in one digit; route counts on both sides of
 # the largest bitmap a block holds (past it the kernels rank in order themselves); LoRA rows
 # with disabled slots and an expert map; and the same cases with sorting off (the kernels'
@@ -868,6 +869,15 @@ def test_order_segment_lengths(variant, count, B, how):
     assert launch.kind == ("multi" if variant in ("shared", "global") else "cooperative")
     assert bool(launch.order_grid) == (launch.kind == "multi" and how == "sorted")
     assert launch.sorted == (launch.kind == "cooperative" and how == "sorted")
+
+
+@pytest.mark.parametrize("count", [ORDER_MAX + 1, 1000, DIGITS_MAX, DIGITS_MAX + 1])
+@pytest.mark.parametrize("variant", [None, "global", "cooperative"])
+def test_order_segment_lengths_past_the_bitmap_for_all(variant, count):
+    """Past ORDER_BITMAP_ALL_MAX routes a long segment of up to ORDER_DIGITS_MAX entries is
+    sorted by digits (below it, as in test_order_segment_lengths, by the bitmap)."""
+    numel = mla._dispatch.ORDER_BITMAP_ALL_MAX + 8
+    _exact(_one_hot_expert(count, numel, 256, hot=7, seed=count), 16, 256, variant, SORTED)
 
 
 @pytest.mark.parametrize("dense,spread", [(2048, 1000), (4096, 0), (DIGITS_MAX, 1),
