@@ -18,10 +18,12 @@
 // After the row region: hist[nb + 1] | adj[nb] | starts[nb + 1] | value[chunk] | bucket_of_k[chunk]
 #define COOP_ITEMS 8    // routes per thread, at most: chunk <= COOP_ITEMS * blockDim.x
 #define COOP_RESERVE 4  // bucket reservations a thread has in flight at once
-// align_cooperative's DET argument: free order, ordered ranks, or sorted segments.
+// align_cooperative's DET argument: free order, ordered ranks, or sorted segments (with the
+// sort's bitmaps read back as runs: past 32768 routes, where a warp has two to four rounds).
 #define COOP_FREE 0
 #define COOP_ORDERED 1
 #define COOP_SORTED 2
+#define COOP_SORTED_RUNS 3
 
 // Every one of `blocks` blocks waits here for all the others. The fence publishes the
 // block's writes (its fill, its count atomics) before its arrival is counted.
@@ -50,7 +52,8 @@ __device__ __forceinline__ void blocks_barrier(unsigned* arrivals, unsigned bloc
 // DET == COOP_SORTED: the free-order kernel, then a second barrier, then the blocks sort every
 //   bucket's segment in place (order_segments, order.cuh), the segment starts already in each
 //   block's shared memory. The sort's scratch takes the place of value and bucket_of_k where
-//   larger (order_scratch_bytes).
+//   larger (order_scratch_bytes). DET == COOP_SORTED_RUNS: the same, the bitmaps read back as
+//   runs (sort_by_bitmaps<true>).
 template <typename IdT, int DET>
 __device__ __forceinline__ void align_cooperatively(const Problem& p, int block, int blocks) {
   __shared__ int warp_sums[32];
@@ -221,10 +224,10 @@ __device__ __forceinline__ void align_cooperatively(const Problem& p, int block,
   for (int k = threadIdx.x; k < hist[nb]; k += blockDim.x)
     p.sorted_ids[adj[bucket_of_k[k]] + k] = value[k];
   write_expert_ids(p, processed, starts, tid, nthreads);
-  if (DET == COOP_SORTED) {
+  if (DET >= COOP_SORTED) {
     MLA_STAMP(3, 6);
     blocks_barrier(ctrl + 4 + parity, arrivals + (unsigned)blocks);
-    order_segments(p, starts, block, blocks, value);
+    order_segments<DET == COOP_SORTED_RUNS>(p, starts, block, blocks, value);
 #ifdef MLA_PROBE
     __syncthreads();
     MLA_STAMP(5, 5);
@@ -232,7 +235,7 @@ __device__ __forceinline__ void align_cooperatively(const Problem& p, int block,
   }
 #ifdef MLA_PROBE
   __syncthreads();
-  if (DET != COOP_SORTED) MLA_STAMP(3, 6);
+  if (DET < COOP_SORTED) MLA_STAMP(3, 6);
 #endif
 }
 

@@ -36,6 +36,11 @@
 // bitmaps fit the sort's scratch (order_bitmaps_fit) and they hold ORDER_DIGITS_MAX entries in
 // all: one set of barriers for them all (skewed routing deals two or three to some blocks).
 #define ORDER_GROUP_MAX 4
+// The rounds of a bitmap (1024 route indices each) a warp reads back as one run of a lane's
+// own words in sort_by_bitmaps<true>, at most: 4 covers ORDER_BITMAP_ALL_MAX routes with 32
+// warps. The run is a template choice, not a branch: its code in the same kernel cost 1 %
+// at one round a warp even where it was not taken (r62's A/B, cca7dcb).
+#define ORDER_RUN_MAX 4
 
 // x sorted ascending across the warp's lanes (lane l ends with the l-th smallest), by a
 // bitonic network of shuffles. Every lane calls it.
@@ -153,11 +158,12 @@ __device__ __forceinline__ int order_bitmaps_fit(int numel) {
 // Sort the routes at the front of the `count` segments seg[g][0, n[g]) (count <=
 // ORDER_GROUP_MAX; the sentinels stay behind the routes) at once by the whole block, each
 // through a bitmap of its route indices, so that the barriers are paid once. Each warp reads
-// back a contiguous run of a bitmap 32 words (one summary word) at a time, skipping empty
-// ones. `scratch` holds `capacity` (order_bitmaps_fit) bitmaps of 32 * rounds words, the
-// first `zeroed` of them zero (the first `count` are zero again on the way out), then at fixed
-// places past them a summary of rounds words and a count a warp (32 words) for each. Every
-// thread calls it.
+// back a contiguous stretch of a bitmap: with RUNS, up to ORDER_RUN_MAX rounds a warp as one
+// run of words a lane; else 32 words (one summary word) at a time, skipping empty ones. `scratch`
+// holds `capacity` (order_bitmaps_fit) bitmaps of 32 * rounds words, the first `zeroed` of
+// them zero (the first `count` are zero again on the way out), then at fixed places past them
+// a summary of rounds words and a count a warp (32 words) for each. Every thread calls it.
+template <bool RUNS>
 __device__ void sort_by_bitmaps(const Problem& p, int* const (&seg)[ORDER_GROUP_MAX],
                                 const int (&n)[ORDER_GROUP_MAX], int count, int capacity,
                                 int zeroed, unsigned* scratch) {
@@ -186,6 +192,12 @@ __device__ void sort_by_bitmaps(const Problem& p, int* const (&seg)[ORDER_GROUP_
   __syncthreads();  // every route read before any is rewritten
   const int per = (rounds + nwarps - 1) / nwarps;
   const int r0 = min(rounds, warp * per), r1 = min(rounds, r0 + per);
+  // RUNS, up to ORDER_RUN_MAX rounds a warp: each lane takes a run of the warp's words,
+  // r1 - r0 of them in a row from `run`, and reads them back after one scan of the lanes'
+  // counts (a scan a round took a chain of shuffles each); else a round at a time, the empty
+  // ones skipped by their summary.
+  const bool runs = RUNS && per <= ORDER_RUN_MAX;
+  const int run_words = r1 - r0, run = (r0 << 5) + lane * run_words;
   // A warp counts each bitmap's routes in its rounds and notes which words hold any (a
   // summary word a round, written by the warp that reads it; built here, not by an atomic a
   // route: a segment's routes crowd a few summary words, and those atomics serialised).
@@ -193,11 +205,17 @@ __device__ void sort_by_bitmaps(const Problem& p, int* const (&seg)[ORDER_GROUP_
   for (int g = 0; g < ORDER_GROUP_MAX; ++g) {
     if (g >= count) break;
     int c = 0;
-    for (int r = r0; r < r1; ++r) {
-      const unsigned word = scratch[g * words + (r << 5) + lane];
-      c += __popc(word);
-      const unsigned nonzero = __ballot_sync(MLA_FULL_MASK, word != 0u);
-      if (lane == 0) summaries[g * rounds + r] = nonzero;
+    if (runs) {
+#pragma unroll
+      for (int i = 0; i < ORDER_RUN_MAX; ++i)
+        if (i < run_words) c += __popc(scratch[g * words + run + i]);
+    } else {
+      for (int r = r0; r < r1; ++r) {
+        const unsigned word = scratch[g * words + (r << 5) + lane];
+        c += __popc(word);
+        const unsigned nonzero = __ballot_sync(MLA_FULL_MASK, word != 0u);
+        if (lane == 0) summaries[g * rounds + r] = nonzero;
+      }
     }
     c = warp_inclusive_sum(c);
     if (lane == 31) warp_counts[g * 32 + warp] = c;
@@ -214,6 +232,24 @@ __device__ void sort_by_bitmaps(const Problem& p, int* const (&seg)[ORDER_GROUP_
     if (g >= count) break;
     unsigned* bits = scratch + g * words;
     int at = warp_counts[g * 32 + warp];
+    if (runs) {
+      unsigned word[ORDER_RUN_MAX];
+      int mine = 0;
+#pragma unroll
+      for (int i = 0; i < ORDER_RUN_MAX; ++i) {
+        word[i] = i < run_words ? bits[run + i] : 0u;
+        mine += __popc(word[i]);
+      }
+      int k = at + warp_inclusive_sum(mine) - mine;
+#pragma unroll
+      for (int i = 0; i < ORDER_RUN_MAX; ++i) {
+        if (i >= run_words) break;
+        for (unsigned w = word[i]; w != 0u; w &= w - 1u)
+          seg[g][k++] = ((run + i) << 5) + __ffs(w) - 1;
+        bits[run + i] = 0u;
+      }
+      continue;
+    }
     for (int r = r0; r < r1; ++r) {
       if (summaries[g * rounds + r] == 0u) continue;  // the same on every lane
       unsigned word = bits[(r << 5) + lane];
@@ -231,7 +267,9 @@ __device__ void sort_by_bitmaps(const Problem& p, int* const (&seg)[ORDER_GROUP_
 // Sort the segment of every bucket dealt to `block` of `blocks`: in rounds, warp w takes
 // bucket (round * 32 + w) * blocks + block and sorts it if it is short; the block then sorts
 // the round's long ones. `starts`: the segment starts (shared or global memory); `scratch`:
-// the sort's shared memory (order_scratch_bytes). Every thread calls it.
+// the sort's shared memory (order_scratch_bytes); RUNS: sort_by_bitmaps reads back runs.
+// Every thread calls it.
+template <bool RUNS>
 __device__ void order_segments(const Problem& p, const int* starts, int block, int blocks,
                                int* scratch) {
   // The round's long segments, by bucket; their count in turn in num_long[round & 1]: a round
@@ -305,7 +343,7 @@ __device__ void order_segments(const Problem& p, const int* starts, int block, i
           }
         }
         __syncthreads();  // the previous segment done with the shared memory
-        sort_by_bitmaps(p, group, sizes, count, group_max, zeroed, bits);
+        sort_by_bitmaps<RUNS>(p, group, sizes, count, group_max, zeroed, bits);
         MLA_STAMP(5, 4);
         zeroed = max(zeroed, count);
         j += count - 1;
@@ -318,7 +356,8 @@ __device__ void order_segments(const Problem& p, const int* starts, int block, i
 // left in p.starts, a bucket a warp (gridDim * 32 >= nb by the dispatcher, else rounds).
 template <typename IdT>
 __global__ void __launch_bounds__(1024) align_order(const Problem p) {
-  order_segments(p, p.starts, blockIdx.x, gridDim.x, reinterpret_cast<int*>(dynamic_smem));
+  order_segments<false>(p, p.starts, blockIdx.x, gridDim.x,
+                        reinterpret_cast<int*>(dynamic_smem));
 #ifdef MLA_PROBE
   __syncthreads();
   MLA_STAMP(5, 5);

@@ -79,6 +79,13 @@ class AlignPolicy:
     # themselves, with a [chunks, buckets] prefix.
     sort_for_determinism: bool = True
     sort_min_buckets: int = 4096
+    # A sorting cooperative launch of more routes than this (up to ORDER_BITMAP_ALL_MAX)
+    # runs the kernel instance whose bitmap sort reads each warp's two to four rounds back
+    # as runs of a lane's words (COOP_SORTED_RUNS). A separate instance, because the runs'
+    # code in the same kernel cost about 1 % at one round a warp even where they were not
+    # taken (r62's A/B, H100, skewed LoRA E=256 B=64 16 slots: T=4096 19.28 against 19.10 us,
+    # T=16384 22.90 against 23.48).
+    sort_runs_above_routes: int = 32768
     # Multi-block launches.
     fill_per_block: int = 8192           # sentinel entries a count block fills, about
     # From this many output entries, and below the second figure, the cooperative launch
@@ -263,6 +270,7 @@ class Launch:
     tiny: bool = False            # single: align_tiny (a thread per bucket), not align_single
     sorted: bool = False      # cooperative, deterministic: sorts every segment after a
                               #   second barrier (else ranks in flat order)
+    sort_runs: bool = False   # sorted: the bitmaps read back as runs (COOP_SORTED_RUNS)
     fill_grid: int = 0        # cooperative: the grid's last blocks, align_tiny: the blocks
                               #   after the first, which only write the sentinel fill (the
                               #   aligning blocks fill when 0)
@@ -647,6 +655,7 @@ def _cooperative_blocks(numel, num_buckets, rows, limits, out_entries, determini
             break
     else:
         return None
+    runs = sort and policy.sort_runs_above_routes < numel <= ORDER_BITMAP_ALL_MAX
     # Blocks past the last chunk (of the SMs the fill SMs leave) only sort, about two
     # segments a block, or fill.
     sort_blocks = _ceil_div(num_buckets, 2) if sort else 1
@@ -656,19 +665,20 @@ def _cooperative_blocks(numel, num_buckets, rows, limits, out_entries, determini
         counting = max(1, _ceil_div(numel, chunk), min(limits.sm_count - fill, sort_blocks))
         return Launch("cooperative", "cooperative", deterministic, block,
                       grid=counting + fill, chunk=chunk, smem_place=smem, sorted=sort,
-                      fill_grid=fill)
+                      sort_runs=runs, fill_grid=fill)
     fill = min(limits.sm_count, _ceil_div(out_entries, policy.fill_per_block))
     counting = max(1, _ceil_div(numel, chunk), min(limits.sm_count, sort_blocks))
     if block == BLOCK:
         # Blocks past the last chunk only take their share of the sentinel fill (and of the
         # segments to sort: about two a block).
         return Launch("cooperative", "cooperative", deterministic, block,
-                      grid=max(counting, fill), chunk=chunk, smem_place=smem, sorted=sort)
+                      grid=max(counting, fill), chunk=chunk, smem_place=smem, sorted=sort,
+                      sort_runs=runs)
     if not two_blocks_an_sm(block, smem, limits):
         return None
     fill = max(1, fill)
     return Launch("cooperative", "cooperative", deterministic, block, grid=counting + fill,
-                  chunk=chunk, smem_place=smem, sorted=sort, fill_grid=fill)
+                  chunk=chunk, smem_place=smem, sorted=sort, sort_runs=runs, fill_grid=fill)
 
 
 def cluster_block_threads(chunk: int, num_buckets: int,
@@ -998,20 +1008,24 @@ class CooperativePair:
 
     @property
     def modes(self) -> Tuple[int, int]:
-        """The kernel's DET arguments of the two sides (COOP_FREE, _ORDERED or _SORTED)."""
+        """The kernel's DET arguments of the two sides (COOP_FREE, _ORDERED, _SORTED or
+        _SORTED_RUNS)."""
         return coop_mode(self.base), coop_mode(self.lora)
 
 
 def coop_mode(launch: Launch) -> int:
-    """align_cooperative's DET argument: 0 free order, 1 ordered ranks, 2 sorted segments."""
-    return 2 if launch.sorted else int(launch.deterministic)
+    """align_cooperative's DET argument: 0 free order, 1 ordered ranks, 2 sorted segments,
+    3 sorted with the bitmaps read back as runs."""
+    if launch.sorted:
+        return 3 if launch.sort_runs else 2
+    return int(launch.deterministic)
 
 
 # The cooperative pair kernel's instances, (base, LoRA) DET arguments: base has the fewer
 # buckets, so it never sorts where LoRA ranks in order (kernels/cooperative.cuh). Both sides
 # sorting (a policy that sorts base too) has none: the device's NVRTC (CUDA 13.2) spilled
 # that instance (24 bytes), so such a pair runs on two streams.
-COOP_PAIR_MODES = ((0, 0), (1, 1), (1, 2))
+COOP_PAIR_MODES = ((0, 0), (1, 1), (1, 2), (1, 3))
 
 
 def choose_cooperative_pair(numel: int, base_buckets: int, lora_buckets: int, rows: int,

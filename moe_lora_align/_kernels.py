@@ -122,10 +122,11 @@ def kernel_names(dtype) -> dict:
         names[("cluster_pair", det)] = f"align_cluster_pair<{t}, {d}>"
         names[("cluster_rows", det)] = f"align_cluster_rows<{t}, {d}>"
         names[("cluster_rows_pair", det)] = f"align_cluster_rows_pair<{t}, {d}>"
-    for mode in (0, 1, 2):  # MODE_*; COOP_FREE, COOP_ORDERED, COOP_SORTED
-        names[("cooperative", mode)] = f"align_cooperative<{t}, {mode}>"
+    for mode in (0, 1, 2):  # MODE_*
         names[("count", mode)] = f"align_count<{t}, {mode}>"
         names[("place", mode)] = f"align_place<{t}, {mode}>"
+    for det in (0, 1, 2, 3):  # COOP_FREE, COOP_ORDERED, COOP_SORTED, COOP_SORTED_RUNS
+        names[("cooperative", det)] = f"align_cooperative<{t}, {det}>"
     for modes in COOP_PAIR_MODES:  # (base, LoRA) DET arguments
         names[("cooperative_pair", modes)] = f"align_cooperative_pair<{t}, {modes[0]}, {modes[1]}>"
     names[("order", False)] = f"align_order<{t}>"

@@ -120,6 +120,8 @@ CASES = [  # op, T, E, K, B, L
     # the row pair's cut against the cluster pair (pair_row_blocks_over_cluster_max_routes)
     ("pair", 320, 256, 8, 16, 4), ("pair", 384, 256, 8, 16, 4), ("pair", 448, 256, 8, 16, 4),
     ("pair", 384, 256, 8, 16, 2), ("pair", 272, 256, 8, 16, 2),
+    # the sorting cooperative pair past 32768 routes (its LoRA side's bitmaps read as runs)
+    ("pair", 16384, 256, 8, 64, 16),
 ]
 
 

@@ -131,6 +131,25 @@ def test_cooperative_override_that_cannot_run_is_a_clear_error(numel, buckets, l
                         policy=ORDERED)
 
 
+@pytest.mark.parametrize("numel,runs", [(4096 * 8, False), (4096 * 8 + 1, True),
+                                        (d.ORDER_BITMAP_ALL_MAX, True),
+                                        (d.ORDER_BITMAP_ALL_MAX + 8, False)])
+def test_sorting_cooperative_launch_reads_runs_past_its_setting(numel, runs):
+    """The sorting cooperative kernel's instance whose bitmaps are read back as runs
+    (COOP_SORTED_RUNS) runs past sort_runs_above_routes routes, up to ORDER_BITMAP_ALL_MAX
+    (past it a warp has more than four rounds); a policy moves the point, and the free-order
+    and ordered launches never take it."""
+    launch = d.choose_launch(numel, 16 * 256, 16, H200, deterministic=True)
+    assert launch.kind == "cooperative" and launch.sorted and launch.sort_runs == runs
+    assert d.coop_mode(launch) == (3 if runs else 2)
+    assert not d.choose_launch(numel, 16 * 256, 16, H200).sort_runs
+    later = dataclasses.replace(d.DEFAULT_POLICY, sort_runs_above_routes=numel)
+    assert not d.choose_launch(numel, 16 * 256, 16, H200, deterministic=True,
+                               policy=later).sort_runs
+    earlier = dataclasses.replace(d.DEFAULT_POLICY, sort_runs_above_routes=0)
+    assert d.choose_launch(numel, 16 * 256, 16, H200, deterministic=True,
+                           policy=earlier).sort_runs == (numel <= d.ORDER_BITMAP_ALL_MAX)
+
 def test_deterministic_calls_sort_after_the_fast_kernels():
     """Deterministic, from the policy's sort_min_buckets (LoRA sizes): the cooperative
     kernel sorts each segment inside its launch (its scratch in the staging's place), count
@@ -581,7 +600,7 @@ def test_cooperative_pair_splits_the_sms(numel, base_blocks, lora_blocks):
 
 @pytest.mark.parametrize("numel,experts,rows,policy,modes", [
     (4096 * 8, 256, 16, d.DEFAULT_POLICY, (1, 2)),   # base ordered ranks, LoRA sorted
-    (16384 * 8, 256, 16, d.DEFAULT_POLICY, (1, 2)),
+    (16384 * 8, 256, 16, d.DEFAULT_POLICY, (1, 3)),   # LoRA sorted, bitmaps read as runs
     (4096 * 6, 64, 4, d.DEFAULT_POLICY, (1, 1)),     # 256 LoRA buckets: both ordered
     (4096 * 8, 256, 16, ORDERED, (1, 2)),            # LoRA's per-warp counters do not fit
 ])
@@ -597,7 +616,8 @@ def test_deterministic_cooperative_pair_takes_each_sides_way(numel, experts, row
     for side, (nb, r) in zip((pair.base, pair.lora), sides):
         alone = d._cooperative(numel, nb, r, d.DeviceLimits(side.grid, H200.smem_optin, True),
                                0, True, policy)
-        assert (side.sorted, side.deterministic) == (alone.sorted, True)
+        assert (side.sorted, side.sort_runs, side.deterministic) == (alone.sorted,
+                                                                    alone.sort_runs, True)
         assert side.smem_place == d.smem_cooperative(nb, r, side.chunk, True, numel,
                                                      side.sorted)
     d.check_launch(pair, numel, sides, H200)

@@ -270,9 +270,29 @@ def emu_digits(tmp_path_factory):
     return emulator.Emulator(emulator.build(src))
 
 
-# The two ways a block sorts a long segment: the emulator's default build (its cases have far
-# fewer than ORDER_BITMAP_ALL_MAX routes: the bitmap) and emu_digits (the digits).
-BLOCK_SORTS = {"bitmap": "emu", "digits": "emu_digits"}
+SORTED_RUNS = dataclasses.replace(SORTED, sort_runs_above_routes=0)
+
+# The ways a block sorts a long segment, as (emulator, policy): the emulator's default build
+# (its cases have far fewer than ORDER_BITMAP_ALL_MAX routes: the bitmap, read back a round
+# at a time), the sorting cooperative kernel's instance that reads the bitmap back as runs of
+# a lane's words (COOP_SORTED_RUNS; the emulator's cases have one round a warp) and emu_digits
+# (the digits).
+BLOCK_SORTS = {"bitmap": ("emu", SORTED), "runs": ("emu", SORTED_RUNS),
+               "digits": ("emu_digits", SORTED)}
+
+
+def _block_sort(request, block_sort, variant, numel, buckets, rows):
+    """The emulator and policy of ``block_sort``; skips where the dispatcher refuses the
+    variant, or where the runs are asked of a launch that does not run them (count + place:
+    align_order reads a round at a time)."""
+    fixture, policy = BLOCK_SORTS[block_sort]
+    if _refused(variant, True, numel, buckets, rows, policy):
+        pytest.skip("the dispatcher refuses this variant at these sizes")
+    launch = _dispatch.choose_launch(numel, buckets, rows, emulator.LIMITS, deterministic=True,
+                                     variant=variant, policy=policy)
+    if block_sort == "runs" and not launch.sort_runs:
+        pytest.skip("only the sorting cooperative kernel reads runs")
+    return request.getfixturevalue(fixture), policy
 
 
 @pytest.mark.parametrize("block_sort", BLOCK_SORTS)
@@ -283,18 +303,41 @@ BLOCK_SORTS = {"bitmap": "emu", "digits": "emu_digits"}
 def test_sorted_segments_of_every_length(request, count, variant, block_sort):
     """One expert with ``count`` routes among 8192 (sorted by a warp: one column of lanes,
     or up to four merged; else by the block: ``block_sort``, and past ORDER_DIGITS_MAX by
-    the bitmap in either build), exact against NumPy."""
-    emu = request.getfixturevalue(BLOCK_SORTS[block_sort])
+    the bitmap in every build), exact against NumPy."""
+    emu, policy = _block_sort(request, block_sort, variant, 8192, 64, 1)
     case = Case(1024, 8, 64, 16, seed=count)
     rng = np.random.default_rng(count)
     flat = case.ids.reshape(-1)
     flat[flat == 5] = 6
     flat[rng.choice(flat.size, size=count, replace=False)] = 5
     case.answer()
-    if _refused(variant, True, flat.size, 64, 1, SORTED):
-        pytest.skip("the dispatcher refuses this variant at these sizes")
-    launch = _run(emu, case, True, variant, SORTED, seeds=(0,))
+    launch = _run(emu, case, True, variant, policy, seeds=(0,))
     assert launch.deterministic_output
+
+
+# 16 SMs: the cooperative launch takes up to 131072 routes (COOP_ITEMS * BLOCK a block).
+SIXTEEN_SMS = dataclasses.replace(emulator.LIMITS, sm_count=16)
+
+
+@pytest.mark.parametrize("T", [4096, 4128, 12500, 16384])
+def test_bitmap_runs_wider_than_a_word(emu, T):
+    """Past 32 rounds of the bitmap (32768 routes) the sorting cooperative kernel's default
+    instance past sort_runs_above_routes reads each warp's rounds back as runs of up to four
+    words a lane: 33024 routes (33 rounds) give runs of two and one warp's of one, 100000
+    runs of four and one of two, 131072 of four; at 32768 the instance without runs. Two
+    hot experts, one past ORDER_DIGITS_MAX; exact against NumPy."""
+    case = Case(T, 8, 64, 16, seed=T)
+    rng = np.random.default_rng(T)
+    flat = case.ids.reshape(-1)
+    flat[np.isin(flat, (5, 9))] = 6
+    places = rng.choice(flat.size, size=1000 + _dispatch.ORDER_DIGITS_MAX + 1, replace=False)
+    flat[places[:1000]] = 5
+    flat[places[1000:]] = 9
+    case.answer()
+    launch = emulator.run(emu, case.job(True), variant="cooperative", policy=SORTED,
+                          limits=SIXTEEN_SMS)
+    case.check(True)
+    assert launch.sorted and launch.sort_runs == (T * 8 > 32768)
 
 
 @pytest.mark.parametrize("variant", [None, "global", "cooperative"])
@@ -319,7 +362,7 @@ def test_long_segments_sharing_a_block_on_both_sides_of_2048(request, hot, count
     it holds (padded to B=16) total 2048 or 2016 entries, or 2080 or 2064: both sides of the
     2048 up to which a block may sort them together (A/B line 54's candidate); each by
     ``block_sort``. Exact against NumPy."""
-    emu = request.getfixturevalue(BLOCK_SORTS[block_sort])
+    emu, policy = _block_sort(request, block_sort, variant, 2560, 64, 1)
     case = Case(320, 8, 64, 16, seed=count)  # the other segments short: about 8 routes
     rng = np.random.default_rng(count)
     flat = case.ids.reshape(-1)
@@ -327,9 +370,7 @@ def test_long_segments_sharing_a_block_on_both_sides_of_2048(request, hot, count
     flat[np.isin(flat, experts)] = 6
     flat[rng.choice(flat.size, size=hot * count, replace=False)] = np.repeat(experts, count)
     case.answer()
-    if _refused(variant, True, flat.size, 64, 1, SORTED):
-        pytest.skip("the dispatcher refuses this variant at these sizes")
-    launch = _run(emu, case, True, variant, SORTED, seeds=(0, 1))
+    launch = _run(emu, case, True, variant, policy, seeds=(0, 1))
     assert launch.deterministic_output
 
 
@@ -341,16 +382,14 @@ def test_hot_segments_among_short_ones(request, hot, variant, block_sort):
     few long segments among short ones, over two rounds of the sort (the emulator's 4 blocks
     take 128 buckets a round), dealt by bucket index: the hot segments of a round pile onto
     two blocks; each by ``block_sort``. Exact against NumPy."""
-    emu = request.getfixturevalue(BLOCK_SORTS[block_sort])
+    emu, policy = _block_sort(request, block_sort, variant, 8192, 4 * 64, 4)
     case = Case(1024, 8, 64, 16, rows=4, seed=len(hot))
     rng = np.random.default_rng(len(hot))
     flat = case.ids.reshape(-1)
     picked = rng.random(flat.size) < 1 / 3
     flat[picked] = rng.choice(np.array(hot, dtype=flat.dtype), size=int(picked.sum()))
     case.answer()
-    if _refused(variant, True, flat.size, 4 * 64, 4, SORTED):
-        pytest.skip("the dispatcher refuses this variant at these sizes")
-    launch = _run(emu, case, True, variant, SORTED, seeds=(0, 1))
+    launch = _run(emu, case, True, variant, policy, seeds=(0, 1))
     assert launch.deterministic_output
 
 
@@ -587,6 +626,8 @@ CLUSTER_T = -(-_dispatch.DEFAULT_POLICY.cluster_min_routes // 8)
 CLUSTER_PAIR = AlignPolicy(pair_row_blocks_over_cluster_max_routes=0)
 # the cooperative pair where base on a cluster and a cluster a LoRA row would also run
 COOPERATIVE_PAIR = AlignPolicy(cluster_rows_pair=False)
+# ... its LoRA side's sort reading the bitmaps back as runs (COOP_SORTED_RUNS)
+COOPERATIVE_PAIR_RUNS = dataclasses.replace(COOPERATIVE_PAIR, sort_runs_above_routes=0)
 
 
 def _every_kernel(emu):
@@ -597,6 +638,7 @@ def _every_kernel(emu):
                                         (256, 256, None, "cluster", _dispatch.DEFAULT_POLICY),
                                         (2048, 256, None, "cooperative", ORDERED),
                                         (2048, 256, None, "cooperative", SORTED),
+                                        (2048, 256, None, "cooperative", SORTED_RUNS),
                                         (1024, 64, None, "shared", ORDERED),
                                         (1024, 64, None, "global", ORDERED),
                                         (1024, 64, None, "shared", SORTED),
@@ -613,6 +655,7 @@ def _every_kernel(emu):
                                (CLUSTER_T, 64, 4, CLUSTER_PAIR),
                                (2048, 64, 4, _dispatch.DEFAULT_POLICY),
                                (2048, 256, 16, COOPERATIVE_PAIR),
+                               (2048, 256, 16, COOPERATIVE_PAIR_RUNS),
                                (40, 64, 4, TINY_FILL["tiny_fill_blocks"]),
                                (40, 64, 4, TINY_FILL["no_tiny_fill_blocks"]),
                                (40, 64, 4, ROW_BLOCKS),

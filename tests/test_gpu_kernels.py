@@ -880,6 +880,29 @@ def test_order_segment_lengths_past_the_bitmap_for_all(variant, count):
     _exact(_one_hot_expert(count, numel, 256, hot=7, seed=count), 16, 256, variant, SORTED)
 
 
+SORTED_RUNS = mla.AlignPolicy(sort_min_buckets=0, sort_runs_above_routes=0)
+
+
+@pytest.mark.parametrize("numel", [8192, 32768, 33000, 65536, 100000, 131072])
+@pytest.mark.parametrize("count", [ORDER_MAX + 1, 1000, DIGITS_MAX + 1])
+@pytest.mark.parametrize("variant,policy", [(None, SORTED), ("global", SORTED),
+                                            ("cooperative", SORTED),
+                                            ("cooperative", SORTED_RUNS)],
+                         ids=["default", "global", "cooperative", "cooperative_runs"])
+def test_order_bitmap_runs_of_every_width(variant, policy, count, numel):
+    """Past sort_runs_above_routes (32768) routes, up to ORDER_BITMAP_ALL_MAX, the sorting
+    cooperative kernel runs its instance that reads each warp's rounds of a block's bitmap
+    back as a run of its words a lane, up to four (SORTED_RUNS: at every size). With 32
+    warps a block: 8192 routes give runs of a word in 8 warps, 32768 of a word in every
+    warp, 33000 (33 rounds) of two words, one warp's of one and the rest none; 65536 of two;
+    100000 of four, one warp's of two; 131072 of four. Count + place (align_order) reads a
+    round at a time."""
+    ids = _one_hot_expert(count, numel, 256, hot=3, seed=count + numel)
+    launch = _exact(ids, 16, 256, variant, policy)
+    runs = launch.kind == "cooperative" and (policy is SORTED_RUNS or numel > 32768)
+    assert launch.sorted == (launch.kind == "cooperative") and launch.sort_runs == runs
+
+
 @pytest.mark.parametrize("dense,spread", [(2048, 1000), (4096, 0), (DIGITS_MAX, 1),
                                           (300, 60000)])
 def test_order_clustered_values(dense, spread):
