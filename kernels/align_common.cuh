@@ -65,7 +65,7 @@ struct Problem {
 // Kernel slots: 0 single block, 1 count, 2 place, 3 cooperative, 4 cluster, 5 order, 6 the
 // deterministic cluster kernel's ranking steps, 7 fill blocks (fill_and_arrive).
 #ifdef MLA_PROBE
-#define MLA_PROBE_SLOTS 8
+#define MLA_PROBE_SLOTS 9
 #define MLA_PROBE_BLOCKS 160
 #define MLA_PROBE_STAGES 8
 __device__ unsigned long long mla_probe[MLA_PROBE_SLOTS * MLA_PROBE_BLOCKS * MLA_PROBE_STAGES * 2];

@@ -171,6 +171,7 @@ __device__ void sort_by_bitmaps(const Problem& p, int* const (&seg)[ORDER_GROUP_
   const int rounds = max(1, (p.numel + 1023) >> 10), words = 32 * rounds;
   unsigned* summaries = scratch + capacity * words;
   int* warp_counts = reinterpret_cast<int*>(summaries + capacity * rounds);
+  MLA_STAMP(8, 0);
   for (int w = zeroed * words + threadIdx.x; w < count * words; w += blockDim.x) scratch[w] = 0u;
   // Every segment's first entries are loaded before any bit is set, so their round trips
   // overlap; the rest (segments longer than the block) after.
@@ -179,6 +180,7 @@ __device__ void sort_by_bitmaps(const Problem& p, int* const (&seg)[ORDER_GROUP_
   for (int g = 0; g < ORDER_GROUP_MAX; ++g)
     v[g] = g < count && (int)threadIdx.x < n[g] ? __ldcg(seg[g] + threadIdx.x) : p.numel;
   if (zeroed < count) __syncthreads();  // the zeroes stored before any bit is set
+  MLA_STAMP(8, 1);
 #pragma unroll
   for (int g = 0; g < ORDER_GROUP_MAX; ++g) {
     if (g >= count) break;
@@ -189,7 +191,9 @@ __device__ void sort_by_bitmaps(const Problem& p, int* const (&seg)[ORDER_GROUP_
       if (u < p.numel) atomicOr(bits + (u >> 5), 1u << (u & 31));
     }
   }
+  MLA_STAMP(8, 2);
   __syncthreads();  // every route read before any is rewritten
+  MLA_STAMP(8, 3);
   const int per = (rounds + nwarps - 1) / nwarps;
   const int r0 = min(rounds, warp * per), r1 = min(rounds, r0 + per);
   // RUNS, up to ORDER_RUN_MAX rounds a warp: each lane takes a run of the warp's words,
@@ -220,6 +224,7 @@ __device__ void sort_by_bitmaps(const Problem& p, int* const (&seg)[ORDER_GROUP_
     c = warp_inclusive_sum(c);
     if (lane == 31) warp_counts[g * 32 + warp] = c;
   }
+  MLA_STAMP(8, 4);
   __syncthreads();
   if (warp < count) {  // warp g: bitmap g's exclusive prefix over the warps
     const int c = lane < nwarps ? warp_counts[warp * 32 + lane] : 0;
@@ -227,6 +232,7 @@ __device__ void sort_by_bitmaps(const Problem& p, int* const (&seg)[ORDER_GROUP_
     warp_counts[warp * 32 + lane] = x - c;
   }
   __syncthreads();
+  MLA_STAMP(8, 5);
 #pragma unroll
   for (int g = 0; g < ORDER_GROUP_MAX; ++g) {
     if (g >= count) break;
@@ -261,7 +267,9 @@ __device__ void sort_by_bitmaps(const Problem& p, int* const (&seg)[ORDER_GROUP_
       at += __shfl_sync(MLA_FULL_MASK, x, 31);
     }
   }
+  MLA_STAMP(8, 6);
   __syncthreads();  // the bitmaps zeroed again, and the counts read, before the next segments
+  MLA_STAMP(8, 7);
 }
 
 // Sort the segment of every bucket dealt to `block` of `blocks`: in rounds, warp w takes

@@ -106,9 +106,15 @@ STAGES = {0: ["entry", "rows+fill", "claim", "scan", "stores", "end", "wait from
           4: ["entry", "rows", "fill", "claim+barrier", "remote reads", "scan", "stores", "end"],
           5: ["entry", "warps", "scanned", "digits", "bitmap", "end", "loads", "counted"],
           6: ["ranked", "prefix"],
-          7: ["entry", "rows", "stores issued", "block issued", "fenced"]}
+          7: ["entry", "rows", "stores issued", "block issued", "fenced"],
+          8: ["entry", "zeroed", "bits set", "bits barrier", "counted", "prefixed",
+              "read back", "end"]}
 KERNEL = {0: "single", 1: "count", 2: "place", 3: "coop", 4: "cluster", 5: "order",
-          6: "cl det", 7: "fill"}
+          6: "cl det", 7: "fill", 8: "bitmap"}
+# Slots that stamp inside another's kernel, by the slot whose entry their cycles count from:
+# the cluster kernel's deterministic ranks, and the block's last bitmap sort (sort_by_bitmaps,
+# which a block may run for several groups of long segments: each overwrites the last).
+ENTRY_SLOT = {6: 4, 8: 5}
 # kernels/align_common.cuh: mla_probe's shape (MLA_PROBE_SLOTS, _BLOCKS, _STAGES)
 SLOTS, PROBE_BLOCKS, PROBE_STAGES = len(KERNEL), 160, 8
 
@@ -247,8 +253,8 @@ def stamps(stream, by_block=(), top=16):
             if not blocks:
                 continue
             names = STAGES[k]
-            # Cycles from the block's entry (slot 6 stamps inside the cluster kernel: its).
-            entry = b[4] if k == 6 else b[k]
+            # Cycles from the block's entry (ENTRY_SLOT: the kernel's it stamps inside).
+            entry = b[ENTRY_SLOT.get(k, k)]
             clk = {s: [b[k, blk, s, 0] - entry[blk, 0, 0] for blk in blocks if b[k, blk, s, 0]]
                    for s in range(len(names))}
             gt = {s: [b[k, blk, s, 1] - t0 for blk in blocks if b[k, blk, s, 1]]
