@@ -120,6 +120,17 @@ __device__ __forceinline__ unsigned warp_or(unsigned v) {
 #endif
 }
 
+// The sum over the warp's lanes, on every lane: one reduction instruction from sm_80 (a
+// scan's five dependent shuffles where only the total is wanted cost more).
+__device__ __forceinline__ int warp_sum(int v) {
+#if __CUDA_ARCH__ >= 800
+  return __reduce_add_sync(MLA_FULL_MASK, v);
+#else
+  for (int d = 16; d > 0; d >>= 1) v += __shfl_xor_sync(MLA_FULL_MASK, v, d);
+  return v;
+#endif
+}
+
 // The processed rows of up to 32 rows as bits in a register, read like the shared flags.
 struct RowBits {
   unsigned bits;

@@ -221,8 +221,8 @@ __device__ void sort_by_bitmaps(const Problem& p, int* const (&seg)[ORDER_GROUP_
         if (lane == 0) summaries[g * rounds + r] = nonzero;
       }
     }
-    c = warp_inclusive_sum(c);
-    if (lane == 31) warp_counts[g * 32 + warp] = c;
+    c = warp_sum(c);
+    if (lane == 0) warp_counts[g * 32 + warp] = c;
   }
   MLA_STAMP(8, 4);
   __syncthreads();
@@ -260,11 +260,12 @@ __device__ void sort_by_bitmaps(const Problem& p, int* const (&seg)[ORDER_GROUP_
       if (summaries[g * rounds + r] == 0u) continue;  // the same on every lane
       unsigned word = bits[(r << 5) + lane];
       const int mine = __popc(word), x = warp_inclusive_sum(mine);
+      const int round_total = warp_sum(mine);  // beside the scan, not after it
       int k = at + x - mine;
       for (; word != 0u; word &= word - 1u)
         seg[g][k++] = (((r << 5) + lane) << 5) + __ffs(word) - 1;
       bits[(r << 5) + lane] = 0u;
-      at += __shfl_sync(MLA_FULL_MASK, x, 31);
+      at += round_total;
     }
   }
   MLA_STAMP(8, 6);

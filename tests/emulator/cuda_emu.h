@@ -144,7 +144,8 @@ constexpr size_t STACK_BYTES = 128 << 10;
 constexpr unsigned char SMEM_POISON = 0xA5;
 constexpr size_t SMEM_GUARD = 256;  // poisoned bytes past a block's dynamic shared memory
 
-enum class Op { none, shfl, shfl_up, shfl_xor, ballot, reduce_or, match_any, syncwarp };
+enum class Op { none, shfl, shfl_up, shfl_xor, ballot, reduce_or, reduce_add, match_any,
+                syncwarp };
 
 struct Collective {
   unsigned mask = 0, arrived = 0;
@@ -354,6 +355,10 @@ inline unsigned long long collective(Op op, unsigned mask, unsigned long long va
         case Op::reduce_or:
           for (unsigned j = 0; j < 32; ++j)
             if ((mask >> j) & 1u) r |= c->value[j];
+          break;
+        case Op::reduce_add:  // 32-bit wraparound, as the hardware's
+          for (unsigned j = 0; j < 32; ++j)
+            if ((mask >> j) & 1u) r = (unsigned)(r + c->value[j]);
           break;
         case Op::match_any:
           for (unsigned j = 0; j < 32; ++j)
@@ -764,6 +769,9 @@ inline unsigned __ballot_sync(unsigned mask, int pred) {
 }
 inline unsigned __reduce_or_sync(unsigned mask, unsigned v) {
   return (unsigned)mla_emu::collective(mla_emu::Op::reduce_or, mask, v, 0);
+}
+inline int __reduce_add_sync(unsigned mask, int v) {
+  return (int)(unsigned)mla_emu::collective(mla_emu::Op::reduce_add, mask, (unsigned)v, 0);
 }
 template <typename T>
 inline unsigned __match_any_sync(unsigned mask, T v) {
