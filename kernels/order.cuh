@@ -233,39 +233,57 @@ __device__ void sort_by_bitmaps(const Problem& p, int* const (&seg)[ORDER_GROUP_
   }
   __syncthreads();
   MLA_STAMP(8, 5);
+  // Two bitmaps at a time: their counts packed in the halves of one word, so one scan (and
+  // one total) serves both; a round's prefix over the lanes is at most 1024, a run's 4096.
 #pragma unroll
-  for (int g = 0; g < ORDER_GROUP_MAX; ++g) {
+  for (int g = 0; g < ORDER_GROUP_MAX; g += 2) {
     if (g >= count) break;
-    unsigned* bits = scratch + g * words;
-    int at = warp_counts[g * 32 + warp];
+    const bool pair = g + 1 < count;  // the same on every lane
+    unsigned* bits0 = scratch + g * words;
+    unsigned* bits1 = bits0 + words;  // read and written only with `pair`
+    int at0 = warp_counts[g * 32 + warp], at1 = pair ? warp_counts[(g + 1) * 32 + warp] : 0;
     if (runs) {
-      unsigned word[ORDER_RUN_MAX];
-      int mine = 0;
+      unsigned word0[ORDER_RUN_MAX], word1[ORDER_RUN_MAX];
+      int mine0 = 0, mine1 = 0;
 #pragma unroll
       for (int i = 0; i < ORDER_RUN_MAX; ++i) {
-        word[i] = i < run_words ? bits[run + i] : 0u;
-        mine += __popc(word[i]);
+        word0[i] = i < run_words ? bits0[run + i] : 0u;
+        word1[i] = pair && i < run_words ? bits1[run + i] : 0u;
+        mine0 += __popc(word0[i]);
+        mine1 += __popc(word1[i]);
       }
-      int k = at + warp_inclusive_sum(mine) - mine;
+      const int x = warp_inclusive_sum(mine0 | mine1 << 16);
+      int k0 = at0 + (x & 0xffff) - mine0, k1 = at1 + (x >> 16) - mine1;
 #pragma unroll
       for (int i = 0; i < ORDER_RUN_MAX; ++i) {
         if (i >= run_words) break;
-        for (unsigned w = word[i]; w != 0u; w &= w - 1u)
-          seg[g][k++] = ((run + i) << 5) + __ffs(w) - 1;
-        bits[run + i] = 0u;
+        for (unsigned w = word0[i]; w != 0u; w &= w - 1u)
+          seg[g][k0++] = ((run + i) << 5) + __ffs(w) - 1;
+        bits0[run + i] = 0u;
+        if (!pair) continue;
+        for (unsigned w = word1[i]; w != 0u; w &= w - 1u)
+          seg[g + 1][k1++] = ((run + i) << 5) + __ffs(w) - 1;
+        bits1[run + i] = 0u;
       }
       continue;
     }
     for (int r = r0; r < r1; ++r) {
-      if (summaries[g * rounds + r] == 0u) continue;  // the same on every lane
-      unsigned word = bits[(r << 5) + lane];
-      const int mine = __popc(word), x = warp_inclusive_sum(mine);
+      // the same on every lane
+      const bool any0 = summaries[g * rounds + r] != 0u;
+      const bool any1 = pair && summaries[(g + 1) * rounds + r] != 0u;
+      if (!any0 && !any1) continue;
+      const int w = (r << 5) + lane;
+      unsigned word0 = any0 ? bits0[w] : 0u, word1 = any1 ? bits1[w] : 0u;
+      const int mine0 = __popc(word0), mine1 = __popc(word1), mine = mine0 | mine1 << 16;
+      const int x = warp_inclusive_sum(mine);
       const int round_total = warp_sum(mine);  // beside the scan, not after it
-      int k = at + x - mine;
-      for (; word != 0u; word &= word - 1u)
-        seg[g][k++] = (((r << 5) + lane) << 5) + __ffs(word) - 1;
-      bits[(r << 5) + lane] = 0u;
-      at += round_total;
+      int k0 = at0 + (x & 0xffff) - mine0, k1 = at1 + (x >> 16) - mine1;
+      for (; word0 != 0u; word0 &= word0 - 1u) seg[g][k0++] = (w << 5) + __ffs(word0) - 1;
+      for (; word1 != 0u; word1 &= word1 - 1u) seg[g + 1][k1++] = (w << 5) + __ffs(word1) - 1;
+      if (any0) bits0[w] = 0u;
+      if (any1) bits1[w] = 0u;
+      at0 += round_total & 0xffff;
+      at1 += round_total >> 16;
     }
   }
   MLA_STAMP(8, 6);
