@@ -19,7 +19,8 @@
 #define COOP_ITEMS 8    // routes per thread, at most: chunk <= COOP_ITEMS * blockDim.x
 #define COOP_RESERVE 4  // bucket reservations a thread has in flight at once
 // align_cooperative's DET argument: free order, ordered ranks, or sorted segments (with the
-// sort's bitmaps read back as runs: past 32768 routes, where a warp has two to four rounds).
+// sort's bitmaps read back as runs, which the dispatcher takes where a warp has two to four
+// rounds: AlignPolicy.sort_runs_above_routes).
 #define COOP_FREE 0
 #define COOP_ORDERED 1
 #define COOP_SORTED 2

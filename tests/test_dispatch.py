@@ -150,6 +150,7 @@ def test_sorting_cooperative_launch_reads_runs_past_its_setting(numel, runs):
     assert d.choose_launch(numel, 16 * 256, 16, H200, deterministic=True,
                            policy=earlier).sort_runs == (numel <= d.ORDER_BITMAP_ALL_MAX)
 
+
 def test_deterministic_calls_sort_after_the_fast_kernels():
     """Deterministic, from the policy's sort_min_buckets (LoRA sizes): the cooperative
     kernel sorts each segment inside its launch (its scratch in the staging's place), count
