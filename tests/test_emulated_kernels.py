@@ -394,24 +394,23 @@ def test_hot_segments_among_short_ones(request, hot, variant, block_sort):
 
 
 @pytest.mark.parametrize("variant", [None, "global", "cooperative"])
-def test_digits_and_bitmaps_in_one_block(emu_digits, variant):
+def test_digits_and_bitmaps_in_one_block(request, variant):
     """With the digits built in (emu_digits), experts 16 apart share a block of the sort
     however many blocks (up to 16) it deals over: three segments the digits sort and one past
     ORDER_DIGITS_MAX the bitmap sorts, in whatever order the block took them. The digits
     stage theirs in the bitmaps' shared memory, so a bitmap sort after them must not trust
     what it left. Exact against NumPy under three schedules."""
-    if _refused(variant, True, 8192, 64, 1, SORTED):
-        pytest.skip("the dispatcher refuses this variant at these sizes")
+    emu, policy = _block_sort(request, "digits", variant, 8192, 64, 1)
     case = Case(1024, 8, 64, 16, seed=16)
     rng = np.random.default_rng(16)
     flat = case.ids.reshape(-1)
     sizes = {1: 1000, 17: _dispatch.ORDER_DIGITS_MAX + 100, 33: 900, 49: 600}
     experts = np.array(list(sizes), dtype=flat.dtype)
     flat[np.isin(flat, experts)] = 6
-    places = rng.permutation(flat.size)[:sum(sizes.values())]
+    places = rng.choice(flat.size, size=sum(sizes.values()), replace=False)
     flat[places] = np.repeat(experts, list(sizes.values()))
     case.answer()
-    launch = _run(emu_digits, case, True, variant, SORTED, seeds=(0, 1, 2))
+    launch = _run(emu, case, True, variant, policy, seeds=(0, 1, 2))
     assert launch.deterministic_output
 
 
