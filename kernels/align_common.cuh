@@ -63,9 +63,10 @@ struct Problem {
 // each block records (SM clock, global nanosecond timer) at MLA_STAMP(kernel, stage) points,
 // and the SM it runs on.
 // Kernel slots: 0 single block, 1 count, 2 place, 3 cooperative, 4 cluster, 5 order, 6 the
-// deterministic cluster kernel's ranking steps, 7 fill blocks (fill_and_arrive).
+// deterministic cluster kernel's ranking steps, 7 fill blocks (fill_and_arrive), 8 the bitmap
+// sort (sort_by_bitmaps), 9 its warps' last arrivals before its barriers (MLA_ARRIVE).
 #ifdef MLA_PROBE
-#define MLA_PROBE_SLOTS 9
+#define MLA_PROBE_SLOTS 10
 #define MLA_PROBE_BLOCKS 160
 #define MLA_PROBE_STAGES 8
 __device__ unsigned long long mla_probe[MLA_PROBE_SLOTS * MLA_PROBE_BLOCKS * MLA_PROBE_STAGES * 2];
@@ -82,9 +83,21 @@ __device__ __forceinline__ void mla_stamp(int kernel, int stage) {
     mla_probe_sm[kernel * MLA_PROBE_BLOCKS + blockIdx.x] = sm + 1;
   }
 }
+// The last warp's arrival before a barrier: each warp's lane 0 raises the stage's clock to
+// its own (a block's warps share their SM's clock). Thread 0's stamp after the barrier counts
+// the wait for the slowest warp in with the work; this one tells the two apart. Clock only
+// (the timer half stays 0); a block that passes twice keeps the later pass.
+__device__ __forceinline__ void mla_arrive(int kernel, int stage) {
+  if ((threadIdx.x & 31) == 0 && blockIdx.x < MLA_PROBE_BLOCKS) {
+    const int k = ((kernel * MLA_PROBE_BLOCKS + blockIdx.x) * MLA_PROBE_STAGES + stage) * 2;
+    atomicMax(&mla_probe[k], (unsigned long long)clock64());
+  }
+}
 #define MLA_STAMP(kernel, stage) mla_stamp(kernel, stage)
+#define MLA_ARRIVE(kernel, stage) mla_arrive(kernel, stage)
 #else
 #define MLA_STAMP(kernel, stage) ((void)0)
+#define MLA_ARRIVE(kernel, stage) ((void)0)
 #endif
 
 // Division by a divisor fixed per call, as a multiply and a shift (no division instructions).

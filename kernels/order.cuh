@@ -172,6 +172,7 @@ __device__ void sort_by_bitmaps(const Problem& p, int* const (&seg)[ORDER_GROUP_
   unsigned* summaries = scratch + capacity * words;
   int* warp_counts = reinterpret_cast<int*>(summaries + capacity * rounds);
   MLA_STAMP(8, 0);
+  MLA_STAMP(9, 0);
   for (int w = zeroed * words + threadIdx.x; w < count * words; w += blockDim.x) scratch[w] = 0u;
   // Every segment's first entries are loaded before any bit is set, so their round trips
   // overlap; the rest (segments longer than the block) after.
@@ -179,6 +180,7 @@ __device__ void sort_by_bitmaps(const Problem& p, int* const (&seg)[ORDER_GROUP_
 #pragma unroll
   for (int g = 0; g < ORDER_GROUP_MAX; ++g)
     v[g] = g < count && (int)threadIdx.x < n[g] ? __ldcg(seg[g] + threadIdx.x) : p.numel;
+  MLA_ARRIVE(9, 1);
   if (zeroed < count) __syncthreads();  // the zeroes stored before any bit is set
   MLA_STAMP(8, 1);
 #pragma unroll
@@ -192,6 +194,7 @@ __device__ void sort_by_bitmaps(const Problem& p, int* const (&seg)[ORDER_GROUP_
     }
   }
   MLA_STAMP(8, 2);
+  MLA_ARRIVE(9, 2);
   __syncthreads();  // every route read before any is rewritten
   MLA_STAMP(8, 3);
   const int per = (rounds + nwarps - 1) / nwarps;
@@ -225,12 +228,14 @@ __device__ void sort_by_bitmaps(const Problem& p, int* const (&seg)[ORDER_GROUP_
     if (lane == 0) warp_counts[g * 32 + warp] = c;
   }
   MLA_STAMP(8, 4);
+  MLA_ARRIVE(9, 3);
   __syncthreads();
   if (warp < count) {  // warp g: bitmap g's exclusive prefix over the warps
     const int c = lane < nwarps ? warp_counts[warp * 32 + lane] : 0;
     const int x = warp_inclusive_sum(c);
     warp_counts[warp * 32 + lane] = x - c;
   }
+  MLA_ARRIVE(9, 4);
   __syncthreads();
   MLA_STAMP(8, 5);
   // Two bitmaps at a time: their counts packed in the halves of one word, so one scan (and
@@ -287,6 +292,7 @@ __device__ void sort_by_bitmaps(const Problem& p, int* const (&seg)[ORDER_GROUP_
     }
   }
   MLA_STAMP(8, 6);
+  MLA_ARRIVE(9, 5);
   __syncthreads();  // the bitmaps zeroed again, and the counts read, before the next segments
   MLA_STAMP(8, 7);
 }

@@ -108,13 +108,16 @@ STAGES = {0: ["entry", "rows+fill", "claim", "scan", "stores", "end", "wait from
           6: ["ranked", "prefix"],
           7: ["entry", "rows", "stores issued", "block issued", "fenced"],
           8: ["entry", "zeroed", "bits set", "bits barrier", "counted", "prefixed",
-              "read back", "end"]}
+              "read back", "end"],
+          # the bitmap sort's last warp to reach each barrier (MLA_ARRIVE: clock only)
+          9: ["entry", "zeroed", "bits set", "counted", "prefixed", "read back"]}
 KERNEL = {0: "single", 1: "count", 2: "place", 3: "coop", 4: "cluster", 5: "order",
-          6: "cl det", 7: "fill", 8: "bitmap"}
+          6: "cl det", 7: "fill", 8: "bitmap", 9: "arrive"}
 # Slots that stamp inside another's kernel, by the slot whose entry their cycles count from:
 # the cluster kernel's deterministic ranks, and the block's last bitmap sort (sort_by_bitmaps,
-# which a block may run for several groups of long segments: each overwrites the last).
-ENTRY_SLOT = {6: 4, 8: 5}
+# which a block may run for several groups of long segments: each overwrites the last), and
+# its warps' arrivals.
+ENTRY_SLOT = {6: 4, 8: 5, 9: 5}
 # kernels/align_common.cuh: mla_probe's shape (MLA_PROBE_SLOTS, _BLOCKS, _STAGES)
 SLOTS, PROBE_BLOCKS, PROBE_STAGES = len(KERNEL), 160, 8
 
@@ -261,9 +264,10 @@ def stamps(stream, by_block=(), top=16):
                   for s in range(len(names))}
             parts = []
             for s, nm in enumerate(names):
-                if clk[s]:
+                if clk[s]:  # arrivals (slot 9) stamp no timer
+                    at = f" @{int(min(gt[s]))}-{int(max(gt[s]))}ns" if gt[s] else ""
                     parts.append(f"{nm} {int(statistics.median(clk[s]))}c/"
-                                 f"{int(max(clk[s]))}c @{int(min(gt[s]))}-{int(max(gt[s]))}ns")
+                                 f"{int(max(clk[s]))}c{at}")
             lines.append(f"   {KERNEL[k]:6s} blocks={len(blocks):3d}: " + "; ".join(parts))
             if KERNEL[k] in by_block:
                 lines += block_lines(b, sms, k, top)

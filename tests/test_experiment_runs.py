@@ -189,8 +189,9 @@ def test_every_run_computes_every_small_case_on_the_emulator(experiment):
 
 def test_stage_probe_reads_every_stamp_the_kernels_write():
     """scripts/stage_probe.py names a kernel slot and a stage for every MLA_STAMP(slot,
-    stage) in kernels/, and reads the probe buffer with the kernels' shape (slots, blocks,
-    stages): a stamp it does not name would be dropped from the printout unseen."""
+    stage) and MLA_ARRIVE(slot, stage) in kernels/, and reads the probe buffer with the
+    kernels' shape (slots, blocks, stages): a stamp it does not name would be dropped from
+    the printout unseen."""
     probe = _load_script("stage_probe")
     kernels = SCRIPTS.parent / "kernels"
     source = "\n".join(f.read_text() for f in sorted(kernels.glob("*.cu*")))
@@ -198,7 +199,8 @@ def test_stage_probe_reads_every_stamp_the_kernels_write():
     assert probe.SLOTS == sizes["MLA_PROBE_SLOTS"] == len(probe.KERNEL) == len(probe.STAGES)
     assert sizes["MLA_PROBE_BLOCKS"] == probe.PROBE_BLOCKS == 160
     assert sizes["MLA_PROBE_STAGES"] == probe.PROBE_STAGES == 8
-    stamps = {(int(k), int(s)) for k, s in re.findall(r"MLA_STAMP\((\d+), (\d+)\)", source)}
+    stamps = {(int(k), int(s))
+              for k, s in re.findall(r"MLA_(?:STAMP|ARRIVE)\((\d+), (\d+)\)", source)}
     assert stamps
     for slot, stage in stamps:
         assert stage < len(probe.STAGES[slot]) <= sizes["MLA_PROBE_STAGES"], (slot, stage)
