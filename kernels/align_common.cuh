@@ -71,13 +71,17 @@ struct Problem {
 #define MLA_PROBE_STAGES 8
 __device__ unsigned long long mla_probe[MLA_PROBE_SLOTS * MLA_PROBE_BLOCKS * MLA_PROBE_STAGES * 2];
 __device__ unsigned mla_probe_sm[MLA_PROBE_SLOTS * MLA_PROBE_BLOCKS];  // the block's SM + 1
+// This block's (clock, timer) pair of a stage in mla_probe: its clock's index.
+__device__ __forceinline__ int mla_probe_at(int kernel, int stage) {
+  return ((kernel * MLA_PROBE_BLOCKS + blockIdx.x) * MLA_PROBE_STAGES + stage) * 2;
+}
 __device__ __forceinline__ void mla_stamp(int kernel, int stage) {
   if (threadIdx.x == 0 && blockIdx.x < MLA_PROBE_BLOCKS) {
     unsigned long long g;
     unsigned sm;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g));
     asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-    const int k = ((kernel * MLA_PROBE_BLOCKS + blockIdx.x) * MLA_PROBE_STAGES + stage) * 2;
+    const int k = mla_probe_at(kernel, stage);
     mla_probe[k] = clock64();
     mla_probe[k + 1] = g;
     mla_probe_sm[kernel * MLA_PROBE_BLOCKS + blockIdx.x] = sm + 1;
@@ -89,8 +93,7 @@ __device__ __forceinline__ void mla_stamp(int kernel, int stage) {
 // (the timer half stays 0); a block that passes twice keeps the later pass.
 __device__ __forceinline__ void mla_arrive(int kernel, int stage) {
   if ((threadIdx.x & 31) == 0 && blockIdx.x < MLA_PROBE_BLOCKS) {
-    const int k = ((kernel * MLA_PROBE_BLOCKS + blockIdx.x) * MLA_PROBE_STAGES + stage) * 2;
-    atomicMax(&mla_probe[k], (unsigned long long)clock64());
+    atomicMax(&mla_probe[mla_probe_at(kernel, stage)], (unsigned long long)clock64());
   }
 }
 #define MLA_STAMP(kernel, stage) mla_stamp(kernel, stage)
