@@ -159,9 +159,10 @@ def prepare(topk_ids, block_size, num_experts, *, rows, token_lora_mapping=None,
     if validate is None:
         validate = where == _interop.HOST
     contiguous = bool(ids.flags.c_contiguous)
-    order = contextlib.nullcontext()
+    order: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
     if where == _interop.DEVICE and (validate or not contiguous):
-        order = _interop.ordered_on(framework, device_id, stream)
+        # On the device check_same_device found the arrays' device, so device_id is an int.
+        order = _interop.ordered_on(framework, device_id, stream)  # type: ignore[arg-type]
     with order:
         if validate:
             if native["expert_map"] is not None:
@@ -291,6 +292,8 @@ def properties(arrays):
     C-contiguity flag (the checks read only that flag, never the strides; torch and CuPy
     both ignore the strides of size-1 dimensions in it). The loop is the hot path of every
     eager call: kept flat on purpose."""
+    props: list
+    ptrs: list
     props, ptrs, kind, kinds = [], [], None, _KINDS
     prop, ptr = props.append, ptrs.append
     for x in arrays:

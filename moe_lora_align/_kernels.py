@@ -125,8 +125,8 @@ def kernel_names(dtype) -> dict:
     for mode in (0, 1, 2):  # MODE_*
         names[("count", mode)] = f"align_count<{t}, {mode}>"
         names[("place", mode)] = f"align_place<{t}, {mode}>"
-    for det in (0, 1, 2, 3):  # COOP_FREE, COOP_ORDERED, COOP_SORTED, COOP_SORTED_RUNS
-        names[("cooperative", det)] = f"align_cooperative<{t}, {det}>"
+    for coop in (0, 1, 2, 3):  # COOP_FREE, COOP_ORDERED, COOP_SORTED, COOP_SORTED_RUNS
+        names[("cooperative", coop)] = f"align_cooperative<{t}, {coop}>"
     for modes in COOP_PAIR_MODES:  # (base, LoRA) DET arguments
         names[("cooperative_pair", modes)] = f"align_cooperative_pair<{t}, {modes[0]}, {modes[1]}>"
     names[("order", False)] = f"align_order<{t}>"

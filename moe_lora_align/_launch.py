@@ -252,7 +252,8 @@ _recorder = threading.local()
 def record_launches():
     """Collect this thread's ``launch_kernel`` calls in a list (``None`` for one that went
     through CuPy's call and so cannot be replayed); AlignPlan builds its replays from it."""
-    _recorder.launches = recorded = []
+    recorded: list = []
+    _recorder.launches = recorded
     try:
         yield recorded
     finally:

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import itertools
 
@@ -123,8 +124,8 @@ def eager_interleaved(fns, stream, contexts, calls=100, reps=9):
     import cupy
 
     start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    gpu = {name: [] for name in fns}
-    host = {name: [] for name in fns}
+    gpu: dict[str, list[float]] = {name: [] for name in fns}
+    host: dict[str, list[float]] = {name: [] for name in fns}
     with stream:
         for rep in range(reps + 1):  # block 0 warms every path up and is not counted
             for name, fn in fns.items():
@@ -359,6 +360,7 @@ def bench_single(row, kind, stream, quick, remeasure=None):
     ids = routing(rng, T, K, E, kind)
     d_ids = cupy.asarray(ids)
     result = dict(op=op, tokens=T, num_experts=E, topk=K, block_size=B, routing=kind)
+    ref: tuple  # LoraAlignment or Alignment
     if L:
         result["max_loras"] = L
         mapping, lora_ids, enabled = lora_inputs(rng, T, L)
@@ -380,7 +382,7 @@ def bench_single(row, kind, stream, quick, remeasure=None):
             with stream:
                 out = [cupy.full((L, P), T * K, np.int32), cupy.full((L, M), -1, np.int32),
                        cupy.zeros(L, np.int32)]
-            fn = lambda: mla.moe_lora_align_block_size(  # noqa: E731
+            fn: Callable[[], tuple] = lambda: mla.moe_lora_align_block_size(  # noqa: E731
                 d_ids, dm, B, E, L, lora_ids=dl, adapter_enabled=de, out=out, stream=stream,
                 **opts)
         else:
@@ -780,7 +782,9 @@ def main(argv=None):
         jobs += [(r, "skewed") for r in rows if r["tokens"] >= 256 and r["num_experts"] >= 64
                  and (args.quick or r["tokens"] in (256, 16384))]
     pairs = PAIRS[:3:2] + PAIRS[3:5] if args.quick else PAIRS
-    results, failures, remeasure = [], [], []
+    results: list = []
+    failures: list = []
+    remeasure: list = []
     total = len(jobs) + len(pairs)
     t0 = time.perf_counter()
     info = versions()

@@ -8,7 +8,7 @@ synchronisation, no device-attribute query. That is what a CUDA graph capture ne
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple, Union
+from typing import Any, Optional, Tuple, Union, overload
 
 import numpy as np
 
@@ -156,6 +156,19 @@ class AlignPlan:
             self._lora_ws.ensure(*workspace_needs(lora, nb))
 
     # ---- calls: the public functions' path, with the plan's buffers and workspaces -------
+    # For type checkers only: a call with a mapping (a plan with max_loras) gets the pair.
+    @overload
+    def __call__(self, topk_ids: Array, token_lora_mapping: None = None, *,
+                 lora_ids: Optional[Array] = ..., adapter_enabled: Optional[Array] = ...,
+                 expert_map: Optional[Array] = ..., stream: Any = ...,
+                 streams: Streams = ...) -> Alignment: ...
+
+    @overload
+    def __call__(self, topk_ids: Array, token_lora_mapping: Array, *,
+                 lora_ids: Optional[Array] = ..., adapter_enabled: Optional[Array] = ...,
+                 expert_map: Optional[Array] = ..., stream: Any = ...,
+                 streams: Streams = ...) -> Tuple[Alignment, LoraAlignment]: ...
+
     def __call__(self, topk_ids: Array, token_lora_mapping: Optional[Array] = None, *,
                  lora_ids: Optional[Array] = None, adapter_enabled: Optional[Array] = None,
                  expert_map: Optional[Array] = None, stream: Any = None,
