@@ -18,6 +18,7 @@ import operator
 import sys
 import threading
 from sys import getrefcount
+from typing import Any, Optional, Tuple
 from weakref import getweakrefcount
 
 import numpy as np
@@ -284,7 +285,7 @@ def _note_kinds(*arrays) -> None:
                 _KINDS[type(x)] = fw
 
 
-def properties(arrays):
+def properties(arrays) -> Optional[Tuple[tuple, list, Any]]:
     """``(key part, pointers, framework)`` of device arrays, or None when an array is of a
     kind the prepared calls do not serve (then the call takes the full path).
 
@@ -292,9 +293,9 @@ def properties(arrays):
     C-contiguity flag (the checks read only that flag, never the strides; torch and CuPy
     both ignore the strides of size-1 dimensions in it). The loop is the hot path of every
     eager call: kept flat on purpose."""
-    props: list
-    ptrs: list
-    props, ptrs, kind, kinds = [], [], None, _KINDS
+    props: list = []
+    ptrs: list = []
+    kind, kinds = None, _KINDS
     prop, ptr = props.append, ptrs.append
     for x in arrays:
         if x is None:

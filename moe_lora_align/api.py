@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal, NamedTuple, Optional, Protocol, Sequence, Tuple, Union
+from typing import (Any, Literal, NamedTuple, Optional, Protocol, Sequence, Tuple, Union,
+                    overload)
 
 from . import _call
 from ._dispatch import AlignPolicy
@@ -98,6 +99,39 @@ def _pair_result(outputs) -> Tuple[Alignment, LoraAlignment]:
 
 
 # ---- public API ---------------------------------------------------------------------------
+# For type checkers: return_scatter_idx=True gives AlignmentWithScatter, False (the default)
+# Alignment, a bool known only at run time either. typing.overload needs each case's whole
+# signature.
+@overload
+def moe_align_block_size(
+        topk_ids: Array, block_size: int, num_experts: int, expert_map: Optional[Array] = ...,
+        *, pad_sorted_ids: bool = ..., ignore_invalid_experts: bool = ...,
+        return_scatter_idx: Literal[False] = ..., deterministic: bool = ...,
+        out: Optional[Sequence[Array]] = ..., variant: Variant = ..., stream: Any = ...,
+        validate: Optional[bool] = ..., policy: Optional[AlignPolicy] = ...,
+) -> Alignment: ...
+
+
+@overload
+def moe_align_block_size(
+        topk_ids: Array, block_size: int, num_experts: int, expert_map: Optional[Array] = ...,
+        *, pad_sorted_ids: bool = ..., ignore_invalid_experts: bool = ...,
+        return_scatter_idx: Literal[True], deterministic: bool = ...,
+        out: Optional[Sequence[Array]] = ..., variant: Variant = ..., stream: Any = ...,
+        validate: Optional[bool] = ..., policy: Optional[AlignPolicy] = ...,
+) -> AlignmentWithScatter: ...
+
+
+@overload
+def moe_align_block_size(
+        topk_ids: Array, block_size: int, num_experts: int, expert_map: Optional[Array] = ...,
+        *, pad_sorted_ids: bool = ..., ignore_invalid_experts: bool = ...,
+        return_scatter_idx: bool = ..., deterministic: bool = ...,
+        out: Optional[Sequence[Array]] = ..., variant: Variant = ..., stream: Any = ...,
+        validate: Optional[bool] = ..., policy: Optional[AlignPolicy] = ...,
+) -> Union[Alignment, AlignmentWithScatter]: ...
+
+
 def moe_align_block_size(topk_ids: Array, block_size: int, num_experts: int,
                          expert_map: Optional[Array] = None, *, pad_sorted_ids: bool = False,
                          ignore_invalid_experts: bool = False, return_scatter_idx: bool = False,

@@ -349,7 +349,7 @@ def _starts(ids, E, B, rows=1, mapping=None):
     return segment_starts(ids, E, B, rows=rows, mapping=mapping)
 
 
-def bench_single(row, kind, stream, quick, remeasure=None):
+def bench_single(row, kind, stream, quick, remeasure=None) -> dict:
     """Base or LoRA row: default path (graph + eager), each variant, deterministic, baseline.
     ``remeasure``: a list that gets ``(result, eager measurement)`` for later passes."""
     import cupy
@@ -746,7 +746,7 @@ def host_only(quick):
               f"lora {(t2 - t1) / 5 * 1e6:9.1f} µs")
 
 
-def main(argv=None):
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a short subset of the grid")
     ap.add_argument("--json", type=Path, help="write the raw numbers here")

@@ -1,5 +1,6 @@
 """The package ships py.typed, so mypy must pass on it, and the public types must be precise
-enough for users (``base, lora = plan(ids, mapping)`` type-checks). No GPU needed."""
+enough for users (``base, lora = plan(ids, mapping)`` and ``s, e, n =
+moe_align_block_size(...)`` type-check). No GPU needed."""
 
 import subprocess
 import sys
@@ -20,7 +21,8 @@ from typing import Optional, Tuple, Union
 
 import numpy as np
 
-from moe_lora_align import Alignment, AlignPlan, LoraAlignment
+from moe_lora_align import (Alignment, AlignmentWithScatter, AlignPlan, LoraAlignment,
+                            moe_align_block_size)
 
 
 def use(plan: AlignPlan, ids: np.ndarray, mapping: np.ndarray,
@@ -33,6 +35,16 @@ def use(plan: AlignPlan, ids: np.ndarray, mapping: np.ndarray,
     either: Union[Alignment, Tuple[Alignment, LoraAlignment]] = plan(ids, maybe)
     wrong: Alignment = plan(ids, mapping)  # type: ignore[assignment]
     wrong_pair: Tuple[Alignment, LoraAlignment] = plan(ids)  # type: ignore[assignment]
+
+
+def align(ids: np.ndarray, flag: bool) -> None:
+    sorted_ids, expert_ids, num_tokens_post_pad = moe_align_block_size(ids, 16, 64)
+    scattered: AlignmentWithScatter = moe_align_block_size(ids, 16, 64,
+                                                           return_scatter_idx=True)
+    index = scattered.scatter_idx
+    some: Union[Alignment, AlignmentWithScatter] = moe_align_block_size(
+        ids, 16, 64, return_scatter_idx=flag)
+    no_scatter = moe_align_block_size(ids, 16, 64).scatter_idx  # type: ignore[attr-defined]
 '''
 
 
