@@ -13,12 +13,12 @@ root=$(git rev-parse --show-toplevel)
 tree=$(mktemp -d)
 trap 'git -C "$root" worktree remove --force "$tree" > /dev/null 2>&1 || rm -rf "$tree"' EXIT
 git -C "$root" worktree add -q --detach "$tree" HEAD
-for diff in "$@"; do
-  if [ -f "$diff" ]; then git -C "$tree" apply "$(realpath "$diff")"
-  else git -C "$root" show "$diff" | git -C "$tree" apply
+for diff in "$@"; do  # into the index too, so that a file a diff adds counts below
+  if [ -f "$diff" ]; then git -C "$tree" apply --index "$(realpath "$diff")"
+  else git -C "$root" show "$diff" | git -C "$tree" apply --index
   fi
 done
-if diff -rq "$root/kernels" "$tree/kernels" > /dev/null; then
+if git -C "$tree" diff --cached --quiet HEAD -- kernels; then
   echo "$dest: the diffs leave HEAD's kernels unchanged: nothing to compare" >&2
   exit 3
 fi
