@@ -397,6 +397,8 @@ def main():
     ap.add_argument("--by-cpu", action="store_true")
     ap.add_argument("--wall", action="store_true", help="the wall time only, no profile")
     ap.add_argument("--top", type=int, default=14)
+    ap.add_argument("--sort", default="tottime",
+                    help="pstats orders, comma-separated: one table each (e.g. tottime,cumulative)")
     args = ap.parse_args()
     import cupy
 
@@ -431,7 +433,8 @@ def main():
         fn()
     prof.disable()
     cupy.cuda.Device().synchronize()
-    pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
+    for order in args.sort.split(","):
+        pstats.Stats(prof).sort_stats(order).print_stats(args.top)
 
 
 if __name__ == "__main__":
