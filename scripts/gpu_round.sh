@@ -16,6 +16,10 @@
 #   bench      the benchmark, quick grid;  benchfull  the full grid
 #   det        scripts/det_experiment.py: deterministic mode against the default path
 #   steps      scripts/profile_calls.py --steps: where a prepared eager call's host time goes
+#   eager      scripts/eager_ab.py: the eager table's paths at a few sizes, for the package
+#              of EAGER_TREE (a carried folder of another commit's moe_lora_align and kernels)
+#              and for this checkout, EAGER_TURNS turns (default 3) in alternating order
+#              (EAGER_S: seconds a run); eager.txt, eager.json
 #   decode     scripts/tiny_experiment.py (DECODE_RUNS, DECODE_CASES, DECODE_BASELINE: a folder
 #              of an earlier commit's kernels/, copied in as an untracked folder; the device
 #              has no .git) and stage_probe.py --stamps-only (STAMPS_ONLY); each kernel set
@@ -143,6 +147,20 @@ for s in $STEPS; do
       timeout ${DET_S:-200} python3 scripts/det_experiment.py --json "$OUT/det.json" 2>&1 \
         | tee "$OUT/det.txt" | tail -20
       finish det "${PIPESTATUS[0]}" ;;
+    eager)
+      step "eager paths: this checkout${EAGER_TREE:+ against $EAGER_TREE}"
+      rm -f /tmp/eager_*.json; : > "$OUT/eager.txt"; rc=0
+      for turn in $(seq "${EAGER_TURNS:-3}"); do
+        order=". ${EAGER_TREE:-}"; [ $((turn % 2)) = 0 ] && order="${EAGER_TREE:-} ."
+        for tree in $order; do
+          PYTHONPATH=$(cd "$tree" && pwd) timeout ${EAGER_S:-150} python3 scripts/eager_ab.py \
+            --label "$tree" --json "/tmp/eager_${turn}_$(basename "$(cd "$tree" && pwd)").json" \
+            < /dev/null 2>&1 | tee -a "$OUT/eager.txt" | tail -5
+          [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+        done
+      done
+      merge_json "/tmp/eager_*.json" "$OUT/eager.json"
+      finish eager $rc ;;
     steps)
       step "eager call steps"
       timeout ${STEPS_S:-200} python3 scripts/profile_calls.py --steps 2>&1 \
