@@ -11,9 +11,7 @@ import sys
 
 import numpy as np
 
-import moe_lora_align as mla
-from moe_lora_align.bench import _starts, check_against_numpy, eager_paths, keep_best, \
-    lora_inputs, routing
+from moe_lora_align.bench import _check_call, eager_paths, keep_best, lora_inputs, routing
 
 # (op, T, E, L): decode and a short prefill, base, LoRA and the pair (K=8, B=16 as the table)
 CASES = (("base", 16, 256, None), ("base", 1024, 256, None), ("lora", 16, 256, 16),
@@ -22,27 +20,15 @@ K, B = 8, 16
 
 
 def measure_case(op, T, E, L, stream):
+    """The benchmark's eager measurement of one case (its paths checked against NumPy)."""
     import cupy
 
     rng = np.random.default_rng(T + E)
     ids = routing(rng, T, K, E, "uniform")
     mapping, lora_ids, enabled = lora_inputs(rng, T, L or 1)
     d = [cupy.asarray(x) for x in (ids, mapping, lora_ids, enabled)]
-    ref_b = mla.moe_align_block_size(ids, B, E)
-    ref_l = (mla.moe_lora_align_block_size(ids, mapping, B, E, L, lora_ids=lora_ids)
-             if L else None)
-
-    def check(res):
-        if op == "base":
-            check_against_numpy(res, ref_b, lambda: _starts(ids, E, B))
-            return
-        lora = res if op == "lora" else res[1]
-        check_against_numpy(lora, ref_l, lambda: _starts(ids, E, B, L, mapping))
-        if op == "pair":
-            check_against_numpy(res[0], ref_b, lambda: _starts(ids, E, B))
-
-    measure = eager_paths(op, ids, d, T, K, E, B, L, stream, check)
-    return measure
+    return eager_paths(op, ids, d, T, K, E, B, L, stream,
+                       lambda res: _check_call(op, res, ids, mapping, lora_ids, E, B, L))
 
 
 def main(argv=None) -> int:

@@ -153,8 +153,9 @@ for s in $STEPS; do
       for turn in $(seq "${EAGER_TURNS:-3}"); do
         order=". ${EAGER_TREE:-}"; [ $((turn % 2)) = 0 ] && order="${EAGER_TREE:-} ."
         for tree in $order; do
-          PYTHONPATH=$(cd "$tree" && pwd) timeout ${EAGER_S:-150} python3 scripts/eager_ab.py \
-            --label "$tree" --json "/tmp/eager_${turn}_$(basename "$(cd "$tree" && pwd)").json" \
+          dir=$(cd "$tree" && pwd)
+          PYTHONPATH=$dir timeout ${EAGER_S:-150} python3 scripts/eager_ab.py --label "$tree" \
+            --json "/tmp/eager_${turn}_$(basename "$dir").json" \
             < /dev/null 2>&1 | tee -a "$OUT/eager.txt" | tail -5
           [ "${PIPESTATUS[0]}" = 0 ] || rc=1
         done
